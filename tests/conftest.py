@@ -1,0 +1,34 @@
+"""Test set-up: 4 logical CPUs for every in-process test, and a runner for isolated subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfdist  # noqa: E402
+
+# Before any test touches TensorFlow: 4 replicas on one CPU. Tests that need another device count,
+# or a TensorFlow that is not yet initialised, run in a subprocess (run_python below).
+REPLICAS = 4
+tfdist.devices.virtual_cpus(REPLICAS)
+
+
+def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = None, check: bool = True):
+    """Runs `code` in a fresh Python (fresh TensorFlow) and returns the CompletedProcess."""
+    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture
+def python():
+    return run_python

@@ -1,0 +1,49 @@
+"""tfdist: custom tf.distribute strategies for Keras 3 — Horovod, ZeRO, layer placement, multi-worker fit.
+
+Every strategy works through the ordinary Keras path::
+
+    import tfdist
+    tfdist.devices.virtual_cpus(4)                 # a machine without GPUs: 4 logical CPUs
+    strategy = tfdist.MirroredStrategy()
+    data = tfdist.data.mnist(global_batch_size=64, strategy=strategy)
+    with strategy.scope():
+        model = tfdist.models.cnn()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(data.train, validation_data=data.test, epochs=3)
+
+Names are imported on first use, so `import tfdist` (and the `tfdist` command's --help) does not
+start TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tfdist.errors import ConfigError, InitOrderError, TfdistError
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (a module name maps to itself)
+_LAZY = {
+    "MirroredStrategy": "tfdist.strategies.mirrored",
+    "compat": "tfdist.compat",
+    "data": "tfdist.data",
+    "devices": "tfdist.devices",
+    "models": "tfdist.models",
+    "strategies": "tfdist.strategies",
+}
+
+__all__ = ["ConfigError", "InitOrderError", "TfdistError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if module.__name__ == f"tfdist.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

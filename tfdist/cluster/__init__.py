@@ -1,0 +1,1 @@
+"""Where processes come from: local launcher, TF_CONFIG, SLURM, horovodrun/mpirun."""

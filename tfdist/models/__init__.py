@@ -1,0 +1,5 @@
+"""Example models."""
+
+from tfdist.models.cnn import cnn
+
+__all__ = ["cnn"]

@@ -1,0 +1,1 @@
+"""Where layers run: stage plans, balancing, micro-batch pipelining."""

@@ -1,0 +1,1 @@
+"""Who owns optimizer and gradient state: ZeRO stages, offload, checkpoint resharding."""

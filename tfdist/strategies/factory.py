@@ -1,0 +1,68 @@
+"""Builds a strategy from a short name, for the CLI and scripts that take the strategy as a setting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+# name -> builder(replicas: int | None) -> strategy. Later strategies register here.
+_BUILDERS: dict[str, Callable[..., tf.distribute.Strategy]] = {}
+
+
+def register(name: str):
+    """Decorator: makes `builder(replicas=None, **options)` available as strategy `name`."""
+
+    def add(builder: Callable[..., tf.distribute.Strategy]) -> Callable[..., tf.distribute.Strategy]:
+        _BUILDERS[name] = builder
+        return builder
+
+    return add
+
+
+def strategy_names() -> list[str]:
+    return sorted(_BUILDERS)
+
+
+def make_strategy(name: str, replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    """Returns the strategy called `name` over `replicas` local replicas (None: all local devices).
+
+    Example:
+        >>> strategy = make_strategy("mirrored", replicas=4)
+    """
+    if name not in _BUILDERS:
+        raise ConfigError(f"strategy must be one of {strategy_names()}, got {name!r}.")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ConfigError(f"replicas must be a whole number >= 1, got {replicas!r}.")
+    return _BUILDERS[name](replicas=replicas, **options)
+
+
+def local_replica_devices(replicas: int | None) -> list[str] | None:
+    """Device names for `replicas` local replicas: the first GPUs, or that many logical CPUs."""
+    if replicas is None:
+        return None
+    from tfdist.devices import virtual_cpus
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if replicas > len(gpus):
+            raise ConfigError(f"replicas={replicas} but this machine has {len(gpus)} GPU(s).")
+        return [f"/gpu:{i}" for i in range(replicas)]
+    return virtual_cpus(replicas)
+
+
+@register("mirrored")
+def _mirrored(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    from tfdist.strategies.mirrored import MirroredStrategy
+
+    return MirroredStrategy(devices=local_replica_devices(replicas), **options)
+
+
+@register("default")
+def _default(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # No distribution at all: the baseline every other strategy is compared with.
+    if replicas not in (None, 1):
+        raise ConfigError(f"strategy 'default' runs one replica; got replicas={replicas}.")
+    return tf.distribute.get_strategy()
