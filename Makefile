@@ -13,7 +13,11 @@ STAMP  := $(VENV)/.installed-$(TF_EXTRA)
 OUT    ?= out
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test quick bench clean
+# Debian packages the suite needs (later layers append: OpenMPI, SLURM, ...). Installed when missing
+# and running as root; otherwise the target names the command to run.
+APT_PACKAGES ?=
+
+.PHONY: help setup system-deps demo test quick bench clean
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -30,11 +34,21 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),test]"
 	@rm -f $(VENV)/.installed-*; touch $@
 
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages: $$missing"; \
+	    apt-get update -qq -o DPkg::Lock::Timeout=600 && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 $$missing; \
+	  else echo "missing Debian packages; run: sudo apt-get install $$missing"; exit 1; fi; \
+	fi
+
 demo: setup
 	$(BIN)/tfdist train --strategy mirrored --replicas 4 --epochs 5 --dataset mnist \
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
-test: setup
+test: setup system-deps
 	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
 
 quick: setup
