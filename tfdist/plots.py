@@ -27,6 +27,8 @@ def _in_notebook() -> bool:
 def plot_curves(history: dict[str, list[float]], path: str | None = None, title: str = "Training"):
     """Plots loss and accuracy per epoch (train and, if present, validation); saves to `path` if given."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("loss", "accuracy")):
         for key, style in ((metric, "-o"), (f"val_{metric}", "--s")):
@@ -34,6 +36,7 @@ def plot_curves(history: dict[str, list[float]], path: str | None = None, title:
                 epochs = range(1, len(history[key]) + 1)
                 ax.plot(epochs, history[key], style, label="test" if key.startswith("val_") else "train")
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         ax.legend()
