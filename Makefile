@@ -29,7 +29,11 @@ setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
-	  echo "python venv is missing; on Debian: apt-get install python3-venv"; exit 1; }
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    rm -rf $(VENV); apt-get update -qq -o DPkg::Lock::Timeout=600 && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 python3-venv && \
+	    $(PYTHON) -m venv $(VENV); \
+	  else echo "python venv is missing; on Debian: sudo apt-get install python3-venv"; exit 1; fi; }
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),test]"
 	@rm -f $(VENV)/.installed-*; touch $@
