@@ -16,6 +16,8 @@ PYTEST_ARGS ?=
 # Debian packages the suite needs (later layers append: OpenMPI, SLURM, ...). Installed when missing
 # and running as root; otherwise the target names the command to run.
 APT_PACKAGES ?=
+# SLURM (issue 7): controller, node daemon, client commands and munge for the tests on a real SLURM.
+APT_PACKAGES += slurm-wlm munge
 
 .PHONY: help setup system-deps demo test quick bench clean
 
