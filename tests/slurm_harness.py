@@ -162,6 +162,10 @@ class SlurmHarness:
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} still {state!r} after {timeout} s; slurmctld log tail:\n{self.log_tail()}")
 
+    def scancel_signal(self, job_id: str, sig: str) -> None:
+        """Sends `sig` to the job's steps, as `sbatch --signal=SIG@T` does before the time limit."""
+        _sh_env(["scancel", f"--signal={sig}", job_id], self.env)
+
     def scontrol(self, *args: str) -> str:
         proc = _sh_env(["scontrol", *args], self.env)
         return proc.stdout
