@@ -162,6 +162,18 @@ class SlurmHarness:
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} still {state!r} after {timeout} s; slurmctld log tail:\n{self.log_tail()}")
 
+    def wait_requeued(self, job_id: str, timeout: float = 120) -> dict[str, str]:
+        """Waits until the job is back in the queue after a requeue (Restarts >= 1, PENDING)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job_info(job_id)
+            if info.get("JobState") == "PENDING" and int(info.get("Restarts", "0") or 0) >= 1:
+                return info
+            if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"):
+                raise RuntimeError(f"job {job_id} ended ({info.get('JobState')}) instead of being requeued")
+            time.sleep(0.2)
+        raise TimeoutError(f"job {job_id} was not requeued within {timeout} s:\n{self.log_tail()}")
+
     def scancel_signal(self, job_id: str, sig: str) -> None:
         """Sends `sig` to the job's steps, as `sbatch --signal=SIG@T` does before the time limit."""
         _sh_env(["scancel", f"--signal={sig}", job_id], self.env)
