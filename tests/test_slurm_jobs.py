@@ -81,7 +81,12 @@ cluster.export_tf_config()           # TF_CONFIG from the step environment, noth
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 value = strategy.run(lambda: tf.constant(float(cluster.rank + 1)))
 total = strategy.reduce("SUM", value, axis=None)
-print(json.dumps({"rank": cluster.rank, "sum": float(total), "replicas": strategy.num_replicas_in_sync}))
+# preemption: only rank 0 saw the signal, both workers decide to stop (all-reduce of the flags)
+from tfdist.cluster.preemption import collective_agreement
+agree = collective_agreement(strategy)
+stop = [agree(cluster.rank == 0), agree(False)]
+print(json.dumps({"rank": cluster.rank, "sum": float(total), "replicas": strategy.num_replicas_in_sync,
+                  "stop": stop}))
 '
 """
 
@@ -105,6 +110,7 @@ def test_cluster_detection_in_two_node_step(slurm, tmp_path):
     # TF's own MultiWorkerMirroredStrategy, built from that TF_CONFIG, all-reduces across the nodes: 1 + 2
     sums = [json.loads((tmp_path / f"reduce-{t}.json").read_text().strip().splitlines()[-1]) for t in range(2)]
     assert [s["sum"] for s in sums] == [3.0, 3.0] and [s["replicas"] for s in sums] == [2, 2]
+    assert [s["stop"] for s in sums] == [[True, False], [True, False]]  # Preemption's agreement
 
 
 # --- single node, several devices: the Mirrored template ---------------------------------------------

@@ -24,7 +24,7 @@ import keras
 from tfdist import compat
 from tfdist.errors import ConfigError
 
-__all__ = ["Preemption", "requeue_job"]
+__all__ = ["Preemption", "collective_agreement", "requeue_job"]
 
 
 class Preemption(keras.callbacks.Callback):
@@ -42,9 +42,11 @@ class Preemption(keras.callbacks.Callback):
             SIGTERM is what `scancel` sends too, so by default it checkpoints but does not requeue.
         requeue: requeue with `scontrol requeue` (True), not at all (False), or call this function.
         is_chief: whether this process requeues; default: SLURM_PROCID (or TF_CONFIG index) is 0.
-        agree: maps this worker's "signal seen" flag to the decision of all workers; multi-worker
-            strategies must pass a collective (e.g. an all-reduce MAX), or workers stop at different
-            steps and hang. Default: the local flag (one process).
+        agree: maps this worker's "signal seen" flag to the decision of all workers. Workers must
+            stop at the same step or the others hang in the next all-reduce. Default: the local
+            flag for one process; `collective_agreement(strategy)` (an all-reduce of the flags)
+            when the model's strategy has a cluster resolver with several workers (TF multi-worker).
+            Other multi-process strategies (Horovod) pass their own.
 
     Example:
         >>> stop = tfdist.cluster.Preemption(backup_dir="ckpt")
@@ -79,7 +81,7 @@ class Preemption(keras.callbacks.Callback):
         self._requeue = requeue
         self._env = os.environ if environ is None else environ
         self.is_chief = _is_chief(self._env) if is_chief is None else is_chief
-        self._agree = agree or (lambda seen: seen)
+        self._agree = agree
         self.received: int | None = None  # the signal that arrived
         self.preempted = False  # fit stopped because of a signal
         self.requeued = False
@@ -105,7 +107,8 @@ class Preemption(keras.callbacks.Callback):
         self._previous.clear()
 
     def _should_stop(self) -> bool:
-        return bool(self._agree(self.received is not None))
+        seen = self.received is not None
+        return bool(self._agree(seen)) if self._agree is not None else seen
 
     # --- Keras events ------------------------------------------------------------------------------
     def set_model(self, model):
@@ -118,6 +121,8 @@ class Preemption(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._install()
+        if self._agree is None and _num_workers(self.model.distribute_strategy) > 1:
+            self._agree = collective_agreement(self.model.distribute_strategy)
         self.backup.on_train_begin(logs)
         start = compat.keras_initial_epoch(self.model)
         if start:
@@ -165,6 +170,33 @@ class Preemption(keras.callbacks.Callback):
                 print("tfdist: not in a SLURM job; start the run again to resume", flush=True)
                 return
             self.requeued = True
+
+
+def collective_agreement(strategy) -> Callable[[bool], bool]:
+    """All workers stop together if any of them got the signal: an all-reduce (sum) of the flags.
+
+    Every worker must call the returned function at the same points (Preemption does: each epoch
+    end, or each step with at="step"), as with any collective.
+
+    Example:
+        >>> agree = collective_agreement(strategy)
+        >>> agree(rank == 0)     # True on every worker
+    """
+    import tensorflow as tf
+
+    def agree(seen: bool) -> bool:
+        flags = strategy.run(lambda: tf.constant(1.0 if seen else 0.0))
+        return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None) > 0)
+
+    return agree
+
+
+def _num_workers(strategy) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)  # public on multi-worker strategies
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return len(spec.get("worker", [])) + len(spec.get("chief", []))
 
 
 def requeue_job(environ: Mapping[str, str] | None = None) -> None:
