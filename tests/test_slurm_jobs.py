@@ -85,8 +85,16 @@ total = strategy.reduce("SUM", value, axis=None)
 from tfdist.cluster.preemption import collective_agreement
 agree = collective_agreement(strategy)
 stop = [agree(cluster.rank == 0), agree(False)]
+# the resumable (epoch-keyed) training data, sharded across the two workers for epoch 2
+import numpy as np
+from tfdist.data.datasets import load
+data = load("digits", global_batch_size=64, num_replicas=2, resumable=True)
+data.order.epoch = 2
+seen = [int(i) for b in strategy.experimental_distribute_dataset(data.train)
+        for i in strategy.experimental_local_results(b[1])[0].numpy()]
+labels = data.arrays.y_train[data.order.permutation(2)].tolist()
 print(json.dumps({"rank": cluster.rank, "sum": float(total), "replicas": strategy.num_replicas_in_sync,
-                  "stop": stop}))
+                  "stop": stop, "labels_seen": seen, "labels_epoch": labels}))
 '
 """
 
@@ -111,6 +119,16 @@ def test_cluster_detection_in_two_node_step(slurm, tmp_path):
     sums = [json.loads((tmp_path / f"reduce-{t}.json").read_text().strip().splitlines()[-1]) for t in range(2)]
     assert [s["sum"] for s in sums] == [3.0, 3.0] and [s["replicas"] for s in sums] == [2, 2]
     assert [s["stop"] for s in sums] == [[True, False], [True, False]]  # Preemption's agreement
+    # epoch-keyed data under multi-worker sharding: worker w gets the w-th half of every global batch of
+    # epoch 2's order (the sequence of labels identifies the order; 1438 examples, batches of 64)
+    epoch = sums[0]["labels_epoch"]
+    assert sums[1]["labels_epoch"] == epoch
+    halves: list[list[int]] = [[], []]
+    for start in range(0, len(epoch), 64):
+        batch = epoch[start:start + 64]
+        halves[0] += batch[:(len(batch) + 1) // 2]
+        halves[1] += batch[(len(batch) + 1) // 2:]
+    assert [s["labels_seen"] for s in sums] == halves
 
 
 # --- single node, several devices: the Mirrored template ---------------------------------------------
