@@ -73,6 +73,8 @@ DETECT = """#!/bin/bash
 set -e
 scontrol show hostnames "$SLURM_JOB_NODELIST" > hostnames.txt
 srun --output=cluster-%t.json --error=cluster-%t.err tfdist cluster
+# what the Horovod template relies on: srun --mpi=pmix hands every task its PMIx rank
+srun --mpi=pmix --output=pmix-%t.json --error=pmix-%t.err tfdist cluster --backend horovod
 srun --output=reduce-%t.json --error=reduce-%t.err python -c '
 import json, tensorflow as tf
 from tfdist.cluster import SlurmCluster
@@ -115,6 +117,8 @@ def test_cluster_detection_in_two_node_step(slurm, tmp_path):
     # the node names resolve to the two namespaces' distinct addresses, each task on its own node
     addresses = reports[0]["addresses"]
     assert addresses == {"n1": slurm.addrs["n1"], "n2": slurm.addrs["n2"]} and len(set(addresses.values())) == 2
+    pmix = [json.loads((tmp_path / f"pmix-{t}.json").read_text()) for t in range(2)]
+    assert [(p["strategy"], p["slurm"]["rank"], p["pmix_rank"]) for p in pmix] == [("horovod", 0, "0"), ("horovod", 1, "1")]
     # TF's own MultiWorkerMirroredStrategy, built from that TF_CONFIG, all-reduces across the nodes: 1 + 2
     sums = [json.loads((tmp_path / f"reduce-{t}.json").read_text().strip().splitlines()[-1]) for t in range(2)]
     assert [s["sum"] for s in sums] == [3.0, 3.0] and [s["replicas"] for s in sums] == [2, 2]

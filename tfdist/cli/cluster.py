@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 
 
@@ -33,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = SlurmCluster.from_environment()
         report["slurm"] = cluster.describe()
         report["addresses"] = {host: _resolve(host) for host in cluster.hosts}
+    if os.environ.get("PMIX_RANK"):  # started by srun --mpi=pmix (or another PMIx launcher)
+        report["pmix_rank"] = os.environ["PMIX_RANK"]
     if decision.tf_config:
         report["tf_config"] = decision.tf_config
     print(json.dumps(report, indent=2))
