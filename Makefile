@@ -16,8 +16,10 @@ PYTEST_ARGS ?=
 # Debian packages the suite needs (later layers append: OpenMPI, SLURM, ...). Installed when missing
 # and running as root; otherwise the target names the command to run.
 APT_PACKAGES ?=
+# SLURM (issue 7): controller, node daemon, client commands and munge for the tests on a real SLURM.
+APT_PACKAGES += slurm-wlm munge
 
-.PHONY: help setup system-deps demo test quick bench clean
+.PHONY: help setup system-deps demo test quick bench clean test-slurm
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -60,6 +62,10 @@ quick: setup
 
 bench: setup
 	$(BIN)/tfdist bench overhead --json $(OUT)/bench_overhead.json
+
+# The SLURM tests alone (issue 7): a real slurmctld + two slurmd in network namespaces; root only.
+test-slurm: setup system-deps
+	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_preemption.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info

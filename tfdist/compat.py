@@ -44,3 +44,10 @@ _key_bases = itertools.count(start=_KEY_STRIDE, step=_KEY_STRIDE)
 def fresh_collective_key_base() -> int:
     """Returns a collective key base no other tfdist strategy in this process uses."""
     return next(_key_bases)
+
+
+# --- Keras fit state ---------------------------------------------------------------------------
+def keras_initial_epoch(model) -> int:
+    """The epoch `fit` starts from: Keras' BackupAndRestore sets the private `model._initial_epoch`
+    when it restores a checkpoint (keras/src/callbacks/backup_and_restore.py, `_load_model`)."""
+    return int(getattr(model, "_initial_epoch", 0) or 0)

@@ -24,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="write training curves to this PNG")
     p.add_argument("--json", help="write a JSON record of the run to this file")
     p.add_argument("--save", help="save the trained model to this .keras file")
+    p.add_argument("--backup-dir", help="checkpoint every epoch here and resume from it; on SIGUSR1/SIGTERM "
+                   "(sbatch --signal) stop, keep the checkpoint and requeue the SLURM job (tfdist.cluster.preemption)")
+    p.add_argument("--preempt-at", choices=("epoch", "step"), default="epoch",
+                   help="with --backup-dir: stop at the end of the current epoch, or after the current step")
     p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Keras verbosity (1: progress bar)")
     p.set_defaults(run=run)
 
@@ -55,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     keras.utils.set_random_seed(args.seed)
     strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas)
     replicas = strategy.num_replicas_in_sync
-    data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed)
+    data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed,
+                            resumable=bool(args.backup_dir))
     arrays = data.arrays
     print(f"tfdist train: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
           f"strategy={args.strategy}, replicas={replicas}, global batch={args.batch_size} "
@@ -66,9 +71,19 @@ def run(args: argparse.Namespace) -> int:
         model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     throughput = Throughput(len(arrays.x_train))
+    callbacks = [throughput]
+    if args.backup_dir:  # resumable run: epoch-keyed data order, checkpoint per epoch, preemption
+        from tfdist.cluster.preemption import Preemption
+
+        preemption = Preemption(args.backup_dir, at=args.preempt_at)
+        callbacks += [data.order.callback(), preemption]
     start = time.perf_counter()
     history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
-                        callbacks=[throughput], verbose=args.verbose)
+                        callbacks=callbacks, verbose=args.verbose)
+    if args.backup_dir and preemption.preempted:
+        print(f"tfdist train: stopped by a signal after epochs {preemption.completed_epochs}; "
+              f"{'requeued' if preemption.requeued else 'not requeued'}", flush=True)
+        return 0
     train_seconds = time.perf_counter() - start
     test_loss, test_accuracy = model.evaluate(data.test, verbose=0)
     print(f"test accuracy {test_accuracy:.4f}, test loss {test_loss:.4f}, "

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.data.batching import per_replica_batch_size
+from tfdist.data.epochs import EpochOrder
 from tfdist.errors import ConfigError
 
 __all__ = ["Arrays", "Datasets", "load_arrays", "mnist", "digits", "load", "DATASET_NAMES"]
@@ -40,6 +41,8 @@ class Datasets:
     test: tf.data.Dataset
     arrays: Arrays
     global_batch_size: int
+    # Set when load(..., resumable=True): pass `order.callback()` to fit (see tfdist.data.epochs).
+    order: "EpochOrder | None" = None
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -100,6 +103,7 @@ def load(
     strategy: tf.distribute.Strategy | None = None,
     shuffle: bool = True,
     seed: int = 0,
+    resumable: bool = False,
 ) -> Datasets:
     """Returns batched train/test pipelines of a shipped dataset for a given global batch.
 
@@ -108,13 +112,25 @@ def load(
     raises ConfigError. Pass `strategy` (or `num_replicas`) to have that checked here. The last batch
     of an epoch may be smaller (nothing is dropped; tf.distribute splits it as evenly as it can).
     Training data is reshuffled every epoch from `seed`; test data keeps its order.
+    With `resumable=True` epoch e's order depends only on (seed, e) (`Datasets.order`, whose
+    callback must be passed to fit), so a run restored at epoch e trains on what it would have.
     """
     replicas = strategy.num_replicas_in_sync if strategy is not None else (num_replicas or 1)
     per_replica_batch_size(global_batch_size, replicas)
     arrays = load_arrays(name, seed=seed)
-    train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, seed if shuffle else None)
+    order = EpochOrder(len(arrays.x_train), seed) if resumable and shuffle else None
+    if order is not None:
+        train = order.dataset(arrays.x_train, arrays.y_train, global_batch_size).with_options(_shard_by_data())
+    else:
+        train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, seed if shuffle else None)
     test = _pipeline(arrays.x_test, arrays.y_test, global_batch_size, None)
-    return Datasets(train, test, arrays, global_batch_size)
+    return Datasets(train, test, arrays, global_batch_size, order)
+
+
+def _shard_by_data() -> tf.data.Options:
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return options
 
 
 def mnist(**kwargs) -> Datasets:

@@ -1,0 +1,49 @@
+"""`tfdist cluster`: what this process would join — the SLURM step, TF_CONFIG, and auto_strategy's choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="show the cluster this process belongs to (SLURM step, TF_CONFIG)",
+                       description="Print the cluster detected from the environment, as JSON. Run it under "
+                                   "srun to see every task's view: srun -N2 -n2 tfdist cluster")
+    p.add_argument("--tf-config", action="store_true",
+                   help="print only the TF_CONFIG of this SLURM task (for `export TF_CONFIG=$(tfdist cluster "
+                        "--tf-config)` inside srun)")
+    p.add_argument("--backend", choices=("tf", "horovod"), default=None, help="as for tfdist.auto_strategy")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
+
+    if args.tf_config:  # no TensorFlow import: this runs before every worker starts
+        print(json.dumps(SlurmCluster.from_environment().tf_config()))
+        return 0
+    from tfdist.strategies.auto import decide
+
+    decision = decide(backend=args.backend)
+    report = {"strategy": decision.kind, "source": decision.source, "reason": decision.reason,
+              "num_workers": decision.num_workers, "hostname": socket.gethostname()}
+    if in_slurm_step():
+        cluster = SlurmCluster.from_environment()
+        report["slurm"] = cluster.describe()
+        report["addresses"] = {host: _resolve(host) for host in cluster.hosts}
+    if os.environ.get("PMIX_RANK"):  # started by srun --mpi=pmix (or another PMIx launcher)
+        report["pmix_rank"] = os.environ["PMIX_RANK"]
+    if decision.tf_config:
+        report["tf_config"] = decision.tf_config
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _resolve(host: str) -> str | None:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None

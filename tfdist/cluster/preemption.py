@@ -1,0 +1,224 @@
+"""Preemption under SLURM: on SIGUSR1/SIGTERM, stop fit cleanly, keep the checkpoint, requeue the job.
+
+`sbatch --signal=USR1@120` makes SLURM signal the job steps 120 s before the time limit (and
+`scancel --signal=USR1 JOB` does it by hand). `Preemption` is a Keras callback that wraps the
+backup callback (stock `keras.callbacks.BackupAndRestore` by default; issue 3's chief-aware one
+plugs in through `backup=`): at the next epoch end (or step, with `at="step"`) it stops training,
+makes sure the last *complete* epoch is saved and the checkpoint is not deleted, and the chief runs
+`scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
+from that epoch. Only whole epochs count: with `at="step"` the partial epoch is discarded and run
+again after the restart, so with an epoch-keyed data order (`tfdist.data.load(resumable=True)`)
+the final weights equal those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import keras
+
+from tfdist import compat
+from tfdist.errors import ConfigError
+
+__all__ = ["Preemption", "collective_agreement", "requeue_job"]
+
+
+class Preemption(keras.callbacks.Callback):
+    """Keras callback: checkpoint and requeue when SLURM announces the end of the job.
+
+    Pass it to `fit` instead of the backup callback it wraps (it forwards the backup's events).
+
+    Args:
+        backup_dir: where the stock BackupAndRestore keeps its checkpoint (ignored when `backup` given).
+        backup: a callback with BackupAndRestore's protocol (restores in on_train_begin, saves in
+            on_epoch_end, deletes in on_train_end), e.g. a chief-aware one for multi-worker runs.
+        at: "epoch" (finish the current epoch, then stop) or "step" (stop after the current step and
+            redo the unfinished epoch after the restart).
+        signals: signals that stop training. requeue_signals: those that also requeue the job.
+            SIGTERM is what `scancel` sends too, so by default it checkpoints but does not requeue.
+        requeue: requeue with `scontrol requeue` (True), not at all (False), or call this function.
+        is_chief: whether this process requeues; default: SLURM_PROCID (or TF_CONFIG index) is 0.
+        agree: maps this worker's "signal seen" flag to the decision of all workers. Workers must
+            stop at the same step or the others hang in the next all-reduce. Default: the local
+            flag for one process; `collective_agreement(strategy)` (an all-reduce of the flags)
+            when the model's strategy has a cluster resolver with several workers (TF multi-worker).
+            Other multi-process strategies (Horovod) pass their own.
+
+    Example:
+        >>> stop = tfdist.cluster.Preemption(backup_dir="ckpt")
+        >>> model.fit(data.train, epochs=10, callbacks=[stop, data.order.callback()])
+        >>> if stop.preempted: sys.exit(0)     # requeued; the next run resumes from the checkpoint
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | None = None,
+        *,
+        backup: keras.callbacks.Callback | None = None,
+        at: str = "epoch",
+        signals: Sequence[int] = (signal.SIGUSR1, signal.SIGTERM),
+        requeue_signals: Sequence[int] = (signal.SIGUSR1,),
+        requeue: bool | Callable[[], None] = True,
+        is_chief: bool | None = None,
+        agree: Callable[[bool], bool] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ):
+        super().__init__()
+        if at not in ("epoch", "step"):
+            raise ConfigError(f"at must be 'epoch' or 'step', got {at!r}.")
+        if backup is None:
+            if not backup_dir:
+                raise ConfigError("Preemption needs backup_dir (a directory for the checkpoint) or backup=.")
+            backup = keras.callbacks.BackupAndRestore(backup_dir)
+        self.backup = backup
+        self.at = at
+        self.signals = tuple(signals)
+        self.requeue_signals = tuple(requeue_signals)
+        self._requeue = requeue
+        self._env = os.environ if environ is None else environ
+        self.is_chief = _is_chief(self._env) if is_chief is None else is_chief
+        self._agree = agree
+        self.received: int | None = None  # the signal that arrived
+        self.preempted = False  # fit stopped because of a signal
+        self.requeued = False
+        self.completed_epochs: list[int] = []
+        self._mid_epoch = False
+        self._previous: dict[int, object] = {}
+
+    # --- signals ---------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        # Only record it: Python runs this between steps, and the callbacks act at a safe point.
+        if self.received is None or signum in self.requeue_signals:
+            self.received = signum
+        print(f"tfdist: received {signal.Signals(signum).name}; stopping after the current {self.at}",
+              file=sys.stderr, flush=True)
+
+    def _install(self) -> None:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _should_stop(self) -> bool:
+        seen = self.received is not None
+        return bool(self._agree(seen)) if self._agree is not None else seen
+
+    # --- Keras events ------------------------------------------------------------------------------
+    def set_model(self, model):
+        super().set_model(model)
+        self.backup.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.backup.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        self._install()
+        if self._agree is None and _num_workers(self.model.distribute_strategy) > 1:
+            self._agree = collective_agreement(self.model.distribute_strategy)
+        self.backup.on_train_begin(logs)
+        start = compat.keras_initial_epoch(self.model)
+        if start:
+            print(f"tfdist: resuming from the checkpoint at epoch {start}", flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._mid_epoch = False
+        self.backup.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.backup.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.backup.on_train_batch_end(batch, logs)
+        steps = self.params.get("steps") if self.params else None
+        if self.at == "step" and self._should_stop() and (steps is None or batch + 1 < steps):
+            self._mid_epoch = True
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._mid_epoch:
+            # Stopped inside the epoch: it did not happen. The backup keeps the previous epoch.
+            self.preempted = True
+            return
+        self.backup.on_epoch_end(epoch, logs)
+        self.completed_epochs.append(epoch)
+        print(f"tfdist: epoch {epoch} complete", flush=True)
+        if self._should_stop():
+            self.preempted = True
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        self._uninstall()
+        if not self.preempted:
+            self.backup.on_train_end(logs)  # finished: the backup may delete its checkpoint
+            return
+        last = self.completed_epochs[-1] if self.completed_epochs else None
+        print(f"tfdist: preempted; checkpoint kept (last complete epoch: {last})", flush=True)
+        if self.is_chief and self.received in self.requeue_signals and self._requeue:
+            if callable(self._requeue):
+                self._requeue()
+            elif self._env.get("SLURM_JOB_ID"):
+                requeue_job(self._env)
+            else:
+                print("tfdist: not in a SLURM job; start the run again to resume", flush=True)
+                return
+            self.requeued = True
+
+
+def collective_agreement(strategy) -> Callable[[bool], bool]:
+    """All workers stop together if any of them got the signal: an all-reduce (sum) of the flags.
+
+    Every worker must call the returned function at the same points (Preemption does: each epoch
+    end, or each step with at="step"), as with any collective.
+
+    Example:
+        >>> agree = collective_agreement(strategy)
+        >>> agree(rank == 0)     # True on every worker
+    """
+    import tensorflow as tf
+
+    def agree(seen: bool) -> bool:
+        flags = strategy.run(lambda: tf.constant(1.0 if seen else 0.0))
+        return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None) > 0)
+
+    return agree
+
+
+def _num_workers(strategy) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)  # public on multi-worker strategies
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return len(spec.get("worker", [])) + len(spec.get("chief", []))
+
+
+def requeue_job(environ: Mapping[str, str] | None = None) -> None:
+    """Runs `scontrol requeue $SLURM_JOB_ID` (the job must allow it: sbatch --requeue)."""
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        raise ConfigError("requeue needs SLURM_JOB_ID: this process is not part of a SLURM job.")
+    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if proc.returncode:
+        raise ConfigError(f"scontrol requeue {job} failed: {proc.stderr.strip()} "
+                          "(was the job submitted with --requeue, and does JobRequeue allow it?)")
+    print(f"tfdist: requeued SLURM job {job}", flush=True)
+
+
+def _is_chief(env: Mapping[str, str]) -> bool:
+    if env.get("SLURM_PROCID") not in (None, ""):
+        return env["SLURM_PROCID"] == "0"
+    if env.get("TF_CONFIG"):
+        import json
+
+        task = json.loads(env["TF_CONFIG"]).get("task", {})
+        return task.get("type") == "chief" or (task.get("type") == "worker" and task.get("index", 0) == 0
+                                               and "chief" not in json.loads(env["TF_CONFIG"]).get("cluster", {}))
+    return True
