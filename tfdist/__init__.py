@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (a module name maps to itself)
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
+    "HorovodStrategy": "tfdist.strategies.horovod",
     "compat": "tfdist.compat",
     "data": "tfdist.data",
     "devices": "tfdist.devices",
