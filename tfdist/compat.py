@@ -124,7 +124,3 @@ def devices_of(destinations) -> list[str]:
 
     return list(cross_device_ops.get_devices_from(destinations))
 
-
-def uses_merge_call(extended) -> bool:
-    """False when the step is XLA-compiled on GPUs: then MirroredStrategy bypasses CrossDeviceOps."""
-    return extended._use_merge_call()

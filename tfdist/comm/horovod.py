@@ -101,7 +101,8 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         return self._num_processes
 
     # -- the cross-process part ------------------------------------------------------------------
-    def _allreduce(self, tensors: list[tf.Tensor], reduce_op: tf.distribute.ReduceOp, local_count: int):
+    def _allreduce(self, tensors: list[tf.Tensor], reduce_op: tf.distribute.ReduceOp, local_count: int,
+                   compress: bool = True):
         """All-reduces local sums across processes. Returns reduced tensors in their own dtype."""
         hvd = self._hvd
         mean = reduce_op == tf.distribute.ReduceOp.MEAN
@@ -122,12 +123,13 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
                 out[i] = r // (local_count * self._num_processes) if mean else r
             rest = [i for i, f in enumerate(floats) if f]
             if rest:
-                for i, r in zip(rest, self._allreduce([tensors[i] for i in rest], reduce_op, local_count)):
+                for i, r in zip(rest, self._allreduce([tensors[i] for i in rest], reduce_op, local_count, compress)):
                     out[i] = r
             return out
-        if self._wire_dtype == tf.bfloat16 and hvd_op is not hvd.Adasum:
+        wire_dtype = self._wire_dtype if compress else None
+        if wire_dtype == tf.bfloat16 and hvd_op is not hvd.Adasum:
             return self._bf16_allgather_sum(tensors, prescale * postscale)
-        wire = [self._compress(t) for t in tensors]
+        wire = [tf.cast(t, wire_dtype) if wire_dtype is not None and t.dtype.is_floating else t for t in tensors]
         reduced = hvd.grouped_allreduce(wire, op=hvd_op, prescale_factor=prescale, postscale_factor=postscale)
         return [tf.cast(r, t.dtype) if r.dtype != t.dtype else r for r, t in zip(reduced, tensors)]
 
@@ -147,17 +149,25 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         return [tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
                 for part, t in zip(tf.split(summed, sizes, num=len(tensors)), tensors)]
 
-    def _compress(self, t: tf.Tensor) -> tf.Tensor:
-        if self._wire_dtype is None or not t.dtype.is_floating or t.dtype == self._wire_dtype:
-            return t
-        return tf.cast(t, self._wire_dtype)
-
     # -- CrossDeviceOps hooks ----------------------------------------------------------------------
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        return self.batch_reduce_implementation(reduce_op, [(per_replica_value, destinations)], options)[0]
+        # Single reductions are metrics, losses and strategy.reduce: exact, never compressed.
+        return self._reduce(reduce_op, [(per_replica_value, destinations)], compress=False)[0]
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
         del options  # Horovod's own settings (fusion, cycle time) apply
+        # Keras 3 sends a step's gradients here, all at once: compression applies.
+        return self._reduce(reduce_op, value_destination_pairs, compress=True)
+
+    def replica_all_reduce(self, reduce_op, tensors: list) -> list[tf.Tensor]:
+        """All-reduce from inside the replica (one device per process): no merge_call, compressed.
+
+        This is the path of a training step's gradients when each process has one device.
+        """
+        dense = [tf.convert_to_tensor(t) for t in tensors]
+        return self._allreduce(dense, reduce_op, local_count=1, compress=True)
+
+    def _reduce(self, reduce_op, value_destination_pairs, compress: bool):
         if not value_destination_pairs:
             return []
         if any(isinstance(v, tf.IndexedSlices) or any(isinstance(x, tf.IndexedSlices) for x in compat.local_values(v))
@@ -173,7 +183,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         with tf.device(first_device):
             local_sums = [tf.math.add_n([tf.identity(x) for x in compat.local_values(v)]) if local_count > 1
                           else tf.identity(compat.local_values(v)[0]) for v, _ in value_destination_pairs]
-            reduced = self._allreduce(local_sums, reduce_op, local_count)
+            reduced = self._allreduce(local_sums, reduce_op, local_count, compress)
         return [self.broadcast(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
 
     def _densify(self, value):

@@ -173,10 +173,20 @@ class _HorovodExtended(compat.mirrored_extended_class()):
 
     # -- reductions: everything through Horovod -------------------------------------------------------
     def _get_cross_device_ops(self, value):
-        if not compat.uses_merge_call(self):
-            raise ConfigError("HorovodStrategy does not run XLA-compiled steps (Horovod's XLA ops are not "
-                              "built against TF 2.21): compile the model with jit_compile=False.")
-        return self._cross_device_ops
+        return self._cross_device_ops  # every dtype, every destination: Horovod spans the processes
+
+    def _use_merge_call(self) -> bool:
+        # One device per process (Horovod's usual layout): replicas reduce right where they run, with
+        # no merge_call. That is what lets an all-reduce sit inside tf.cond, as Keras 3's
+        # gradient_accumulation_steps needs (it reduces only on update steps). Several local devices
+        # need merge_call to meet in one thread first (as in stock MirroredStrategy).
+        return len(self._devices) > 1
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        if self._use_merge_call():
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        flat = tf.nest.flatten(value)
+        return tf.nest.pack_sequence_as(value, self._cross_device_ops.replica_all_reduce(reduce_op, flat))
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # MirroredExtended sends reductions to a CPU destination (metrics, strategy.reduce) through a
