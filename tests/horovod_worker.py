@@ -36,13 +36,14 @@ def dense_model(keras, hidden: int = 16):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["sgd", "mnist", "mismatch", "die", "accum"])
+    p.add_argument("scenario", choices=["sgd", "cnn", "mismatch", "die", "accum"])
     p.add_argument("out")
     p.add_argument("--reference", action="store_true", help="single device, no Horovod")
     p.add_argument("--compression", default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--local-devices", type=int, default=1)
+    p.add_argument("--dataset", default="mnist")
     args = p.parse_args()
 
     import keras
@@ -79,8 +80,8 @@ def main() -> int:
         history = model.fit(ds, epochs=args.epochs, verbose=0, shuffle=False)
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["evaluate"] = [float(v) for v in model.evaluate(ds, verbose=0)]
-    elif args.scenario == "mnist":
-        data = tfdist.data.mnist(global_batch_size=args.batch, strategy=strategy, seed=0)
+    elif args.scenario == "cnn":
+        data = tfdist.data.load(args.dataset, global_batch_size=args.batch, strategy=strategy, seed=0)
         with strategy.scope():
             model = tfdist.models.cnn(data.arrays.input_shape, data.arrays.num_classes, seed=0)
             model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
