@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.comm.horovod import HorovodAllReduce, check_options, init_horovod
+from tfdist.comm.horovod import CPU_FUSION_THRESHOLD_MB, HorovodAllReduce, check_options, init_horovod
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodStrategy", "launched_by"]
@@ -83,7 +83,9 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         local_devices: this process's devices, or None: its own GPU(s) (by local rank), else the
             CPU (or TFDIST_LOCAL_DEVICES logical CPUs).
         compression: None, 'fp16' or 'bf16' (gradients travel in that type).
-        fusion_threshold_mb: Horovod's fusion buffer size (HOROVOD_FUSION_THRESHOLD; default 128 MB).
+        fusion_threshold_mb: Horovod's fusion buffer size (HOROVOD_FUSION_THRESHOLD if set, else 1 MB
+            with the MPI controller on CPU-only hosts, where fusion's copies cost more than they save
+            for big gradients; Horovod's default with Gloo, whose TCP messages are dear, and on GPUs).
         op: 'average' (default; the usual data-parallel mean gradient), 'sum' or 'adasum' (MPI only).
         require_launcher: raise ConfigError when no launcher started this process (default: run as
             a one-process job).
@@ -116,7 +118,12 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
                 "`horovodrun -np 2 python script.py`, `mpirun -np 2 python script.py` or "
                 "`tfdist launch --backend horovod -n 2 -- python script.py`."
             )
-        hvd = init_horovod(fusion_threshold_mb)
+        explicit = fusion_threshold_mb is not None
+        gloo = os.environ.get("HOROVOD_CONTROLLER") == "gloo"  # Gloo (TCP) pays per message: keep big fusion
+        if (not explicit and "HOROVOD_FUSION_THRESHOLD" not in os.environ and not gloo
+                and not tf.config.list_physical_devices("GPU")):
+            fusion_threshold_mb = CPU_FUSION_THRESHOLD_MB
+        hvd = init_horovod(fusion_threshold_mb, explicit=explicit)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         if op == "adasum":
