@@ -36,7 +36,7 @@ def dense_model(keras, hidden: int = 16):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["sgd", "cnn", "mismatch", "die", "accum"])
+    p.add_argument("scenario", choices=["sgd", "cnn", "mismatch", "die", "accum", "save"])
     p.add_argument("out")
     p.add_argument("--reference", action="store_true", help="single device, no Horovod")
     p.add_argument("--compression", default=None)
@@ -60,7 +60,22 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     record: dict = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync}
 
-    if args.scenario in ("sgd", "accum", "die"):
+    if args.scenario == "save":
+        # Keras 3 save/load and predict under the strategy; rank 0 alone writes (the usual pattern).
+        x, y = regression_data()
+        with strategy.scope():
+            model = dense_model(keras)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        record["predict_rows"] = int(model.predict(x[:64], batch_size=32, verbose=0).shape[0])
+        if rank == 0:
+            path = os.path.join(args.out, "model.keras")
+            model.save(path)
+            loaded = keras.models.load_model(path)
+            record["reload_max_diff"] = max(float(np.abs(a - b).max())
+                                            for a, b in zip(model.get_weights(), loaded.get_weights()))
+            record["reload_optimizer_iterations"] = int(loaded.optimizer.iterations.numpy())
+    elif args.scenario in ("sgd", "accum", "die"):
         x, y = regression_data()
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
         accum = 2 if args.scenario == "accum" else None

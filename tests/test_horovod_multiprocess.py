@@ -172,3 +172,12 @@ def test_tfdist_train_strategy_horovod_under_each_launcher(launcher, tmp_path):
     assert run["strategy"] == "horovod" and run["replicas"] == 2, run
     assert run["test_accuracy"] >= 0.75, run  # 2 epochs of the small CNN on 8x8 digits: ~0.9
     assert out.count("test accuracy") == 2, out[-3000:]  # both ranks trained; one wrote the record
+
+
+def test_chief_saves_and_reloads_while_every_rank_predicts_its_shard(tmp_path):
+    codes, out = launch("gloo_backend", worker("save", str(tmp_path)))
+    assert codes == [0, 0], out[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert records[0]["reload_max_diff"] == 0.0  # .keras round trip on rank 0, no collective needed
+    assert records[0]["reload_optimizer_iterations"] == 8  # 256 samples / global batch 32
+    assert [r["predict_rows"] for r in records] == [32, 32]  # predict: each rank its half of 64 rows
