@@ -89,8 +89,9 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
             (Horovod's Adasum across processes; needs an MPI build and a power-of-2 process count).
 
     Example:
-        >>> ops = HorovodAllReduce(num_processes=hvd.size(), compression="fp16")
-        >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0"], cross_device_ops=ops)  # tfdist.HorovodStrategy does this
+        >>> hvd = init_horovod()
+        >>> ops = HorovodAllReduce(num_processes=hvd.size(), num_replicas=hvd.size(), compression="fp16")
+        >>> # tfdist.HorovodStrategy builds this and reports the global replica count to Keras.
     """
 
     def __init__(self, num_processes: int, num_replicas: int, compression: str | None = None, op: str = "average"):

@@ -263,13 +263,11 @@ def _signature(index: int, shape: list, dtype: tf.DType) -> np.ndarray:
 
 
 def _mismatch_message(index: int, var, gathered: np.ndarray) -> str:
-    from tensorflow import as_dtype
-
     per_rank = []
     for rank, row in enumerate(gathered):
         ndims = int(row[2])
         per_rank.append(f"rank {rank}: shape {tuple(int(d) for d in row[3:3 + min(ndims, _MAX_DIMS)])} "
-                        f"{as_dtype(int(row[-1])).name}")
+                        f"{tf.as_dtype(int(row[-1])).name}")
     return (f"HorovodStrategy: the ranks are building different models. Variable #{index} "
             f"(here {var.name}) differs: {'; '.join(per_rank)}. Every rank must build the same model "
             "(same layers, same order) inside strategy.scope().")
