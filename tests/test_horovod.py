@@ -104,6 +104,7 @@ def test_build_cache_is_keyed_by_horovod_tf_and_python(tmp_path):
     assert cached_wheel(str(tmp_path), gpu=False) == str(wheel)
 
 
+@pytest.mark.slow  # horovodrun --check-build starts TensorFlow in subprocesses (~20 s)
 def test_installed_horovod_lists_tensorflow_mpi_and_gloo():
     from tfdist.cli.build_horovod import check_build
 
