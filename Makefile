@@ -19,7 +19,11 @@ APT_PACKAGES ?=
 # SLURM (issue 7): controller, node daemon, client commands and munge for the tests on a real SLURM.
 APT_PACKAGES += slurm-wlm munge
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm
+# Horovod (built from source by `make horovod`): OpenMPI, and the compilers/headers its build needs.
+APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
+HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
+
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -27,7 +31,7 @@ help:
 	@echo "make quick   the suite without the slow multi-process tests"
 	@echo "make bench   the benchmarks (JSON and PNG under $(OUT)/)"
 
-setup: $(STAMP)
+setup: $(STAMP) horovod
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
@@ -49,6 +53,15 @@ system-deps:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 $$missing; \
 	  else echo "missing Debian packages; run: sudo apt-get install $$missing"; exit 1; fi; \
 	fi
+
+# Horovod 0.28.1 compiled against this venv's TensorFlow (TensorFlow + MPI + Gloo; GPU: NCCL when
+# nvidia-smi is present). The wheel is cached in ~/.cache/tfdist/wheels: only the first run builds (~4 min).
+horovod: $(HOROVOD_STAMP)
+
+$(HOROVOD_STAMP): $(STAMP) | system-deps
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),horovod]"
+	$(BIN)/tfdist build-horovod $(if $(and $(filter gpu,$(TF_EXTRA)),$(shell command -v nvcc 2>/dev/null)),--gpu,)
+	@touch $@
 
 demo: setup
 	$(BIN)/tfdist train --strategy mirrored --replicas 4 --epochs 5 --dataset mnist \

@@ -28,6 +28,7 @@ _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
     "auto_strategy": "tfdist.strategies.auto",
     "cluster": "tfdist.cluster",
+    "HorovodStrategy": "tfdist.strategies.horovod",
     "compat": "tfdist.compat",
     "data": "tfdist.data",
     "devices": "tfdist.devices",

@@ -51,3 +51,83 @@ def keras_initial_epoch(model) -> int:
     """The epoch `fit` starts from: Keras' BackupAndRestore sets the private `model._initial_epoch`
     when it restores a checkpoint (keras/src/callbacks/backup_and_restore.py, `_load_model`)."""
     return int(getattr(model, "_initial_epoch", 0) or 0)
+
+
+# --- Horovod strategy (tfdist/strategies/horovod.py, tfdist/comm/horovod.py) ------------------
+# HorovodStrategy is a MirroredStrategy whose StrategyExtended knows about other processes. Keras
+# only sees the public Strategy; the hooks below are the MirroredExtended internals it refines.
+def mirrored_extended_class() -> type:
+    """TF's `MirroredExtended` (the StrategyExtended behind tf.distribute.MirroredStrategy)."""
+    from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
+
+    return MirroredExtended
+
+
+def distribute_dataset_for_worker(extended, dataset, options, num_workers: int, worker_id: int):
+    """`extended`'s distributed dataset, sharded for worker `worker_id` of `num_workers` (as MWMS does).
+
+    Every worker iterates the same global batches; each gets its own 1/num_workers slice of each,
+    split again over its local replicas, so a step's global batch is the dataset's batch.
+    """
+    from tensorflow.python.distribute import input_util
+
+    context = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_id,
+                                         num_replicas_in_sync=extended._num_replicas_in_sync)
+    return input_util.get_distributed_dataset(
+        dataset, extended._input_workers_with_options(options), extended._container_strategy(),
+        num_replicas_in_sync=extended._num_replicas_in_sync, input_context=context, options=options)
+
+
+def distribute_datasets_from_function_for_worker(extended, dataset_fn, options, num_workers: int,
+                                                 worker_id: int):
+    """`dataset_fn(InputContext)` for worker `worker_id` of `num_workers`, distributed over local replicas."""
+    from tensorflow.python.distribute import input_util
+
+    context = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_id,
+                                         num_replicas_in_sync=extended._num_replicas_in_sync)
+    return input_util.get_distributed_datasets_from_function(
+        dataset_fn, extended._input_workers_with_options(options), [context], extended._container_strategy(),
+        options)
+
+
+def regroup_per_replica(values: list):
+    """Wraps one value per local replica into a PerReplica (TF's distribute_utils.regroup)."""
+    from tensorflow.python.distribute import distribute_utils
+
+    return distribute_utils.regroup(values, always_wrap=True)
+
+
+def regroup_mirrored(values: list):
+    """Wraps one value per local device into a Mirrored value."""
+    from tensorflow.python.distribute import distribute_utils, values as values_lib
+
+    return distribute_utils.regroup(values, wrap_class=values_lib.Mirrored)
+
+
+def is_mirrored(value) -> bool:
+    """True for Mirrored values/variables (already equal on every local replica)."""
+    from tensorflow.python.distribute import distribute_utils
+
+    return distribute_utils.is_mirrored(value)
+
+
+def reduce_non_distributed_value(reduce_op, value, destinations, num_replicas: int):
+    """TF's rule for reducing a plain (non-PerReplica) value, e.g. a Python number, over replicas."""
+    from tensorflow.python.distribute import cross_device_ops
+
+    return cross_device_ops.reduce_non_distributed_value(reduce_op, value, destinations, num_replicas)
+
+
+def local_values(value) -> list:
+    """The per-local-device components of a DistributedValues (or [value] for a plain tensor)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+def devices_of(destinations) -> list[str]:
+    """Canonical device names of a `destinations` argument of CrossDeviceOps (value, var or device)."""
+    from tensorflow.python.distribute import cross_device_ops
+
+    return list(cross_device_ops.get_devices_from(destinations))
+

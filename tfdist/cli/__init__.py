@@ -11,11 +11,11 @@ from collections.abc import Sequence
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist.cli import bench, train
+from tfdist.cli import build_horovod
 from tfdist.cli import cluster as cluster_command
 
 # Each command module has add_parser(subparsers) and run(args) -> int.
-COMMANDS = [train, bench]
-COMMANDS.append(cluster_command)  # issue 7: SLURM / TF_CONFIG detection
+COMMANDS = [train, bench, cluster_command, build_horovod]
 
 
 def build_parser() -> argparse.ArgumentParser:

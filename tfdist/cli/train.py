@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
+    if not getattr(strategy, "is_chief", True):  # multi-process strategies: rank 0 writes the files
+        return 0
     for path in (args.plot, args.json, args.save):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -2,5 +2,6 @@
 
 from tfdist.strategies.factory import make_strategy, register, strategy_names
 from tfdist.strategies.mirrored import MirroredStrategy
+from tfdist.strategies.horovod import HorovodStrategy  # Horovod itself is imported only when one is built
 
-__all__ = ["MirroredStrategy", "make_strategy", "register", "strategy_names"]
+__all__ = ["HorovodStrategy", "MirroredStrategy", "make_strategy", "register", "strategy_names"]

@@ -66,3 +66,11 @@ def _default(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     if replicas not in (None, 1):
         raise ConfigError(f"strategy 'default' runs one replica; got replicas={replicas}.")
     return tf.distribute.get_strategy()
+
+
+@register("horovod")
+def _horovod(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # One process per launcher slot; `replicas` is the number of local devices of each process.
+    from tfdist.strategies.horovod import HorovodStrategy
+
+    return HorovodStrategy(local_devices=local_replica_devices(replicas), **options)

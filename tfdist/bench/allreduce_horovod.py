@@ -1,0 +1,224 @@
+"""`tfdist bench allreduce --backend horovod`: bus bandwidth of raw Horovod, HorovodStrategy's gradient path, mpi4py.
+
+Runs itself as 2 ranks (mpirun; then again under tfdist's GlooBackend for the Gloo figures) and
+measures, interleaved in one run, at each size: raw `hvd.allreduce` of one float32 tensor, the
+reduction of a Keras 3 fit step under `tfdist.HorovodStrategy` (`replica_context.all_reduce(SUM)` on a
+list of gradient-shaped tensors totalling that size, in a tf.function, as the optimizer does), and
+mpi4py `Allreduce` on NumPy buffers. Bus bandwidth = 2(N-1)/N x bytes / time (median of `iters`).
+
+Standalone: `python -m tfdist.bench.allreduce_horovod --sizes-mb 1 16 64 --json out/allreduce_horovod.json`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+NAME = "allreduce-horovod"
+HELP = "all-reduce bus bandwidth: raw Horovod vs HorovodStrategy's gradient path vs mpi4py (2 ranks)"
+_ROLE = "TFDIST_BENCH_ALLREDUCE_ROLE"
+TARGET_RATIO = 0.9  # HorovodStrategy >= 0.9 x raw Horovod at 16 MB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options beyond sizes_mb, iters and json (which `tfdist bench allreduce` defines)."""
+    p.add_argument("--np", type=int, default=2, help="ranks (processes) to run (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size (default 3)")
+    p.add_argument("--no-gloo", action="store_true", help="skip the second run under Horovod's Gloo controller")
+
+
+def _base_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="message sizes in MB")
+    p.add_argument("--iters", type=int, default=10, help="timed all-reduces per engine, size and round")
+    p.add_argument("--json", default="bench_allreduce_horovod.json", help="where to write the JSON record")
+
+
+def _grad_shapes(total_floats: int) -> list[list[int]]:
+    # A CNN-like gradient list: a few large kernels, a few small ones and biases, summing exactly
+    # to `total_floats` (4 bytes each).
+    shares = [0.55, 0.25, 0.12, 0.05, 0.02]
+    sizes = [max(1, int(total_floats * s)) for s in shares]
+    biases = [128, 64, 32, 10]
+    sizes.append(total_floats - sum(sizes) - sum(biases))
+    shapes = [[n // 64, 64] if n % 64 == 0 and n >= 64 else [n] for n in sizes] + [[b] for b in biases]
+    assert sum(math.prod(s) for s in shapes) == total_floats
+    return shapes
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One rank: measure every engine at every size, rank 0 writes the raw timings."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.comm.horovod import horovod
+
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    strategy = tfdist.HorovodStrategy()
+    hvd = horovod()
+    n = hvd.size()
+    comm = None
+    if hvd.mpi_enabled():
+        try:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+        except ImportError:
+            comm = None
+
+    @tf.function
+    def raw(x):
+        return hvd.allreduce(x, op=hvd.Sum)
+
+    @tf.function
+    def strategy_step(grads):
+        def step(gs):  # what Keras 3's optimizer does: one all_reduce(SUM) over all gradients
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, gs)
+        return strategy.run(step, args=(grads,))
+
+    def barrier():
+        hvd.allreduce(tf.zeros([1]), op=hvd.Sum, name="bench_barrier")
+
+    timings: dict[str, dict[str, list[float]]] = {}
+    for size_mb in args.sizes_mb:
+        floats = int(size_mb * 1024 * 1024 / 4)
+        x = tf.random.uniform([floats], seed=hvd.rank())
+        grads = [tf.random.uniform(s) for s in _grad_shapes(floats)]
+        send = np.random.default_rng(hvd.rank()).random(floats, dtype=np.float32)
+        recv = np.empty_like(send)
+        engines = {
+            "horovod": lambda: raw(x).numpy(),
+            "strategy": lambda: [g.numpy() for g in strategy_step(grads)],
+        }
+        if comm is not None:
+            engines["mpi4py"] = lambda: comm.Allreduce(send, recv)
+        for fn in engines.values():  # trace and warm up, identical order on all ranks
+            fn()
+            fn()
+        per_engine = {name: [] for name in engines}
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for name in order:
+                barrier()
+                for _ in range(args.iters):
+                    start = time.perf_counter()
+                    engines[name]()
+                    per_engine[name].append(time.perf_counter() - start)
+        timings[str(size_mb)] = per_engine
+    if hvd.rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": n, "controller": "mpi" if hvd.mpi_enabled() else "gloo", "timings": timings,
+                       "fusion_threshold_bytes": int(os.environ["HOROVOD_FUSION_THRESHOLD"])
+                       if "HOROVOD_FUSION_THRESHOLD" in os.environ else None}, f)
+
+
+def _launch(args: argparse.Namespace, controller: str, out: str) -> dict:
+    cmd = [sys.executable, "-m", "tfdist.bench.allreduce_horovod", "--sizes-mb", *map(str, args.sizes_mb),
+           "--iters", str(args.iters), "--rounds", str(args.rounds), "--json", out]
+    env = {**os.environ, _ROLE: "worker", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if controller == "mpi":
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            from tfdist.errors import ConfigError
+
+            raise ConfigError("mpirun is not on PATH; install OpenMPI (apt-get install openmpi-bin libopenmpi-dev).")
+        subprocess.run([mpirun, "-np", str(args.np), "--oversubscribe", *cmd], env=env, check=True, timeout=900)
+    else:
+        from tfdist.cluster.horovod_env import GlooBackend
+
+        with GlooBackend().environments(args.np, devices_per_worker=1) as envs:
+            procs = [subprocess.Popen(cmd, env={**env, **e}) for e in envs]
+            try:
+                codes = [p.wait(timeout=900) for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            if any(codes):
+                raise RuntimeError(f"benchmark ranks failed under Gloo: exit codes {codes}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Launches the ranks, prints the table and ratios, writes JSON; returns the record."""
+    import statistics
+
+    from tfdist.bench.common import machine, write_json
+
+    for name, default in (("np", 2), ("rounds", 3), ("no_gloo", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="tfdist-bench-") as tmp:
+        for controller in ("mpi",) + (() if args.no_gloo else ("gloo",)):
+            runs[controller] = _launch(args, controller, os.path.join(tmp, f"{controller}.json"))
+    n = args.np
+    results: dict[str, dict[str, dict]] = {}
+    for controller, data in runs.items():
+        for size, per_engine in data["timings"].items():
+            for engine, seconds in per_engine.items():
+                label = engine if engine == "mpi4py" else f"{engine}-{controller}"
+                size = f"{float(size):g}"
+                t = statistics.median(seconds)
+                nbytes = float(size) * 1024 * 1024
+                results.setdefault(label, {})[size] = {
+                    "median_ms": 1000 * t, "busbw_gbps": 2 * (n - 1) / n * nbytes / t / 1e9, "samples": len(seconds)}
+    sizes = [f"{float(s):g}" for s in args.sizes_mb]
+    print(f"all-reduce bus bandwidth, {n} ranks, float32, median of {args.iters} x {args.rounds} rounds (GB/s)")
+    print(f"{'engine':22s}" + "".join(f"{s + ' MB':>12s}" for s in sizes))
+    for label, per_size in results.items():
+        print(f"{label:22s}" + "".join(f"{per_size[s]['busbw_gbps']:12.2f}" for s in sizes))
+    ratios = {}
+    for controller in runs:
+        raw, ours = results.get(f"horovod-{controller}"), results.get(f"strategy-{controller}")
+        if raw and ours:
+            ratios[f"strategy/horovod ({controller})"] = {
+                s: ours[s]["busbw_gbps"] / raw[s]["busbw_gbps"] for s in sizes}
+    if "mpi4py" in results:
+        for label in ("horovod-mpi", "strategy-mpi", "horovod-gloo", "strategy-gloo"):
+            if label in results:
+                ratios[f"{label}/mpi4py"] = {
+                    s: results[label][s]["busbw_gbps"] / results["mpi4py"][s]["busbw_gbps"] for s in sizes}
+    print("ratios:")
+    for name, per_size in ratios.items():
+        print(f"  {name:30s}" + "".join(f"{per_size[s]:12.2f}" for s in sizes))
+    key = "16" if "16" in sizes else None
+    verdict = None
+    if key and "strategy/horovod (mpi)" in ratios:
+        r = ratios["strategy/horovod (mpi)"][key]
+        verdict = r >= TARGET_RATIO
+        print(f"HorovodStrategy / raw Horovod at 16 MB (MPI) = {r:.3f} (target >= {TARGET_RATIO}): "
+              f"{'PASS' if verdict else 'MISS'}")
+    record = {"benchmark": "allreduce", "backend": "horovod", "ranks": n, "sizes_mb": args.sizes_mb,
+              "fusion_threshold_bytes": {c: r.get("fusion_threshold_bytes") for c, r in runs.items()},
+              "iters": args.iters, "rounds": args.rounds, "results": results, "ratios": ratios,
+              "target_strategy_over_horovod_16mb": TARGET_RATIO, "pass": verdict, "machine": machine()}
+    write_json(args.json, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tfdist.bench.allreduce_horovod", description=HELP)
+    _base_arguments(p)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if os.environ.get(_ROLE) == "worker":
+        _worker(args)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Per-rank environments for Horovod's Gloo controller on one host, with its rendezvous server."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from tfdist.errors import ConfigError
+
+__all__ = ["GlooBackend"]
+
+
+class GlooBackend:
+    """Launcher backend: starts Horovod's rendezvous server and gives each rank its environment.
+
+    What `horovodrun --gloo -np N` does for one host, as a context manager the launcher keeps open
+    for the job's lifetime: an HTTP rendezvous server on loopback (a free port chosen by the kernel)
+    that the ranks' Gloo contexts meet at, and per rank HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/
+    CROSS_RANK/CROSS_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_CONTROLLER=gloo,
+    HOROVOD_CPU_OPERATIONS=gloo, HOROVOD_GLOO_IFACE, HOROVOD_HOSTNAME and TFDIST_LOCAL_DEVICES=M
+    (HorovodStrategy then makes M local replicas per process).
+
+    Args:
+        host: the address the server binds and the ranks connect to (default loopback).
+        iface: network interface Gloo binds its pairs to ('lo' on one host).
+
+    Example:
+        >>> import subprocess, sys, os
+        >>> backend = GlooBackend()
+        >>> with backend.environments(2, devices_per_worker=1) as envs:
+        ...     procs = [subprocess.Popen([sys.executable, "train.py"], env={**os.environ, **e}) for e in envs]
+        ...     codes = [p.wait() for p in procs]
+    """
+
+    name = "horovod"
+
+    def __init__(self, host: str = "127.0.0.1", iface: str = "lo", verbose: int = 0):
+        self.host, self.iface, self.verbose = host, iface, verbose
+
+    @contextlib.contextmanager
+    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+        for name, value in (("n", n), ("devices_per_worker", devices_per_worker)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"GlooBackend: {name} must be a whole number >= 1, got {value!r}.")
+        try:
+            from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+        except ImportError as err:
+            from tfdist.comm.horovod import INSTALL_HINT
+
+            raise ImportError(f"{INSTALL_HINT} (import failed: {err})") from err
+
+        hostname = "localhost"
+        plan = get_host_assignments(parse_hosts(f"{hostname}:{n}"), n)
+        # Port 0: the kernel picks a free port (horovodrun's own find_port tries random ones).
+        server = RendezvousHTTPServer((self.host, 0), RendezvousHandler, self.verbose)
+        server.init(plan)
+        port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True)
+        thread.start()
+        try:
+            yield [self._rank_env(slot, port, hostname, devices_per_worker) for slot in plan]
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
+
+    def _rank_env(self, slot, port: int, hostname: str, devices_per_worker: int) -> dict[str, str]:
+        return {
+            "HOROVOD_HOSTNAME": hostname,
+            "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size),
+            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.host,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": self.iface,
+            "TFDIST_LOCAL_DEVICES": str(devices_per_worker),
+        }
+
