@@ -17,7 +17,7 @@ def tfdist_cmd(*args: str, cwd=None, timeout: float = 600) -> subprocess.Complet
 
 
 @pytest.mark.parametrize("args, message", [
-    (["train", "--strategy", "bogus"], "--strategy must be one of ['default', 'mirrored"),
+    (["train", "--strategy", "bogus"], "--strategy must be one of ['default', "),
     (["train", "--dataset", "cifar10"], "--dataset must be one of ['mnist', 'digits'], got 'cifar10'"),
     (["train", "--epochs", "0"], "--epochs must be >= 1"),
     (["train", "--replicas", "3", "--batch-size", "64"], "global_batch_size=64 does not divide by the 3 replicas"),
@@ -29,6 +29,8 @@ def test_bad_input_exits_2_with_a_named_parameter(args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+    if "--strategy" in args:
+        assert "'mirrored'" in proc.stderr and "got 'bogus'" in proc.stderr
 
 
 def test_help_lists_commands_without_starting_tensorflow():
