@@ -209,8 +209,9 @@ class ZeroEngine:
         plain ones on the device we pick, instead of being mirrored on every replica."""
         cls = type(self.optimizer)
         cfg = self.optimizer.get_config()
-        cfg.update(weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, use_ema=False,
-                   loss_scale_factor=None, gradient_accumulation_steps=None, name=f"{self.optimizer.name}_shards")
+        # Weight decay, clipping and loss scaling live in apply(), which the shard optimizer never runs
+        # (the engine calls its update_step), so its config can stay the user's.
+        cfg["name"] = f"{self.optimizer.name}_shards"
         box: dict = {}
 
         def build():
