@@ -11,9 +11,11 @@ from collections.abc import Sequence
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist.cli import bench, train
+from tfdist.cli import plan
 
 # Each command module has add_parser(subparsers) and run(args) -> int.
 COMMANDS = [train, bench]
+COMMANDS.append(plan)  # ZeRO memory planner (issue 5)
 
 
 def build_parser() -> argparse.ArgumentParser:

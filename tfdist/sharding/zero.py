@@ -88,16 +88,17 @@ def _on_build(optimizer, variables) -> None:
     owners = {id(s): s for s in (getattr(getattr(v, "value", v), "distribute_strategy", None) for v in variables)
               if s is not None}
     current = tf.distribute.get_strategy()
-    target = next((s for s in [*owners.values(), current] if _zero_config_of(s) is not None), None)
+    # Any tfdist strategy (even zero_stage=0) gets the clear error for a misplaced optimizer.
+    target = next((s for s in [*owners.values(), current] if hasattr(s, "_tfdist_zero_config")), None)
     if target is None:
         return
     if compat.optimizer_strategy(optimizer) is not target:
         raise ConfigError(
-            f"optimizer {optimizer.name!r} was created outside the ZeRO strategy's scope, but the model's "
+            f"optimizer {optimizer.name!r} was created outside the strategy's scope, but the model's "
             "variables belong to it. Create the optimizer (or pass its name, e.g. optimizer='adam', to "
             "model.compile) inside `with strategy.scope():`.")
     config = _zero_config_of(target)
-    if config.stage == 0:
+    if config is None or config.stage == 0:
         return
     ZeroEngine(optimizer, list(variables), target, config)
 

@@ -76,7 +76,7 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         self._zero = None
         if self.zero_stage:
             self._zero = zero.ZeroConfig(self.zero_stage, offload, LocalCollectives(self.extended.worker_devices))
-            zero.enable()
+        zero.enable()  # also gives stage 0 a clear error for an optimizer created outside the scope
 
     def _tfdist_zero_config(self) -> zero.ZeroConfig | None:
         # Read by the optimizer build hook (tfdist.sharding.zero) to decide whether to shard.
