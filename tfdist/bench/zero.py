@@ -62,8 +62,11 @@ with strategy.scope():
     model.compile(optimizer="adam", loss="mse")
 model.fit(x, y, batch_size=64, epochs=3, verbose=0)
 report = strategy.memory_report(model)
-print("RESULT " + json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                              "report": report.to_dict()}))
+# VmHWM: peak RSS of this process image. (ru_maxrss keeps the parent's peak across fork+exec.)
+with open("/proc/self/status") as f:
+    hwm = next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")), None)
+peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("RESULT " + json.dumps({"peak_rss_bytes": peak, "report": report.to_dict()}))
 """
 
 
@@ -143,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.strategies.factory import local_replica_devices
 
     local_replica_devices(args.replicas)  # sets up logical CPUs before TF initialises
+    rss = {}
+    if not args.no_rss:  # first, while this process is small (children are forked from it)
+        for stage in STAGES:
+            rss[stage] = measure_rss(stage, args.replicas, args.width)["peak_rss_bytes"]
+            print(f"stage {stage}: peak RSS of a {args.replicas}-replica process {rss[stage] / 2**20:8.1f} MiB")
     memory = _memory_in_process(args.replicas, args.width)
     checks = {}
     for stage, rep in memory.items():
@@ -156,11 +164,6 @@ def run(args: argparse.Namespace) -> int:
             "gradients_ok": grads <= 1.01 * f["gradients"],
             "shard_buffer_bytes_max": rep.max_over_replicas("shard_buffer"),
         }
-    rss = {}
-    if not args.no_rss:
-        for stage in STAGES:
-            rss[stage] = measure_rss(stage, args.replicas, args.width)["peak_rss_bytes"]
-            print(f"stage {stage}: peak RSS of a {args.replicas}-replica process {rss[stage] / 2**20:8.1f} MiB")
 
     data = tfdist.data.mnist(global_batch_size=args.batch_size, num_replicas=args.replicas)
     cnn_times = _time_stages(lambda: tfdist.models.cnn(data.arrays.input_shape, data.arrays.num_classes, seed=0),
