@@ -48,6 +48,18 @@ def _state_bytes_per_param(optimizer) -> tuple[str, float]:
     return type(optimizer).__name__, total / 1000
 
 
+def _saved_optimizer_config(path: str) -> dict | None:
+    """The optimizer a .keras file was compiled with, read from its config.json (no weights loaded)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+        return None
+    return (config.get("compile_config") or {}).get("optimizer")
+
+
 def _dtype_bytes(dtype) -> int:
     import numpy as np
 
@@ -72,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--model: no file {args.model!r}.")
         model = keras.models.load_model(args.model, compile=False)
         num_params = int(sum(int(v.numpy().size) for v in model.trainable_variables))
-        config = (model.get_compile_config() or {}) if hasattr(model, "get_compile_config") else {}
-        if config.get("optimizer") and not args.optimizer:
-            optimizer = keras.optimizers.deserialize(config["optimizer"])
+        optimizer_config = _saved_optimizer_config(args.model)
+        if optimizer_config and not args.optimizer:
+            optimizer = keras.optimizers.deserialize(optimizer_config)
     else:
         num_params = parse_count(args.params)
     if optimizer is None:
