@@ -135,15 +135,20 @@ def test_clipping_uses_the_global_gradient(clip, stage):
     assert max_rel(ref.get_weights(), zero.get_weights()) < 1e-4
 
 
-def test_mixed_precision_policy():
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])  # float16: Keras adds a LossScaleOptimizer
+def test_mixed_precision_policy(policy):
+    keras.mixed_precision.set_global_policy(policy)
     try:
-        runs = {stage: train(stage, steps=4)[1] for stage in (0, 1)}
+        runs = {stage: train(stage, lambda: "adam", steps=4)[1] for stage in (0, 1, 2)}
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    assert runs[1].layers[0].compute_dtype == "bfloat16"
-    for a, b in zip(runs[0].get_weights(), runs[1].get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert runs[1].layers[0].compute_dtype == policy.split("_")[1]
+    optimizer = runs[2].optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    assert inner._tfdist_zero.stage == 2 and int(optimizer.iterations.numpy()) == 4
+    assert max_rel(runs[0].get_weights(), runs[1].get_weights()) == 0.0
+    assert max_rel(runs[0].get_weights(), runs[2].get_weights()) < 1e-4
+    assert max_rel(runs[0].get_weights(), small_cnn().get_weights()) > 1e-3  # it trained
 
 
 def test_offload_matches_and_places_state_on_host():
