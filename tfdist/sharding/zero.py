@@ -11,10 +11,11 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import ConfigError
+from tfdist.sharding.checkpoint import LogicalSlot, load_own_variables_strict
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.layout import FlatLayout
 
-__all__ = ["ZeroConfig", "ZeroEngine", "LogicalSlot", "SUPPORTED_STAGES", "register_elementwise", "enable"]
+__all__ = ["ZeroConfig", "ZeroEngine", "SUPPORTED_STAGES", "register_elementwise", "enable"]
 
 SUPPORTED_STAGES = (0, 1, 2)
 
@@ -103,51 +104,6 @@ def _on_build(optimizer, variables) -> None:
     ZeroEngine(optimizer, list(variables), target, config)
 
 
-class LogicalSlot(compat.SavedTensor):
-    """The unsharded view of one optimizer slot of one variable (e.g. Adam's momentum of a kernel).
-
-    Reading assembles it from the shard owners; writing scatters into them. `.keras` files,
-    `tf.train.Checkpoint`, ModelCheckpoint and BackupAndRestore see these, so what they save is the
-    full logical optimizer state with the shapes plain Keras uses, and loading it works at any
-    number of replicas.
-    """
-
-    def __init__(self, engine: ZeroEngine, var: int, slot: str, reference):
-        self._engine, self._var, self._slot = engine, var, slot
-        self.shape = tuple(reference.shape)
-        self.dtype = reference.dtype
-        self.name = f"{getattr(reference, 'path', reference.name).replace('/', '_')}_{slot}"
-        self.path = f"{engine.optimizer.name}/{self.name}"
-        self.trainable = False
-
-    def read(self) -> tf.Tensor:
-        return self._engine.read_slot(self._var, self._slot)
-
-    def write(self, value) -> None:
-        value = tf.convert_to_tensor(value)
-        if tuple(value.shape) != self.shape:
-            raise ConfigError(f"checkpoint value for optimizer slot {self.path!r} has shape {tuple(value.shape)}, "
-                              f"but the model's variable has shape {self.shape}: the checkpoint was written "
-                              "for a different model.")
-        self._engine.write_slot(self._var, self._slot, value)
-
-    @property
-    def value(self) -> tf.Tensor:
-        return self.read()
-
-    def numpy(self) -> np.ndarray:
-        return self.read().numpy()
-
-    def assign(self, value) -> None:
-        self.write(value)
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.numpy(), dtype=dtype)
-
-    def __repr__(self) -> str:
-        return f"<LogicalSlot {self.path} shape={self.shape} over {self._engine.layout.num_shards} shards>"
-
-
 class ZeroEngine:
     """Turns a built-in-scope Keras optimizer into a ZeRO-1/2 optimizer in place.
 
@@ -175,7 +131,7 @@ class ZeroEngine:
         object.__setattr__(optimizer, "_tfdist_zero", self)
         compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
         compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
-        compat.override_method(optimizer, "load_own_variables", _load_own_variables_strict)
+        compat.override_method(optimizer, "load_own_variables", load_own_variables_strict)
 
     # --- construction ----------------------------------------------------------------------
     def _check(self, optimizer, variables) -> None:
@@ -392,16 +348,3 @@ def _add_logical_slot(self, reference_variable, name=None, initializer="zeros"):
 
 def _zero_apply_gradients(self, grads, trainable_variables):
     self._tfdist_zero.apply(list(grads), list(trainable_variables))
-
-
-def _load_own_variables_strict(self, store):
-    keys = list(store.keys())
-    if len(keys) != len(self.variables):
-        raise ConfigError(f"optimizer {self.name!r}: the checkpoint holds {len(keys)} optimizer variables but this "
-                          f"optimizer has {len(self.variables)}; it was written for a different model or optimizer.")
-    for i, variable in enumerate(self.variables):
-        value = store[str(i)]
-        if tuple(np.shape(value)) != tuple(variable.shape):
-            raise ConfigError(f"optimizer variable {variable.path!r} has shape {tuple(variable.shape)} but the "
-                              f"checkpoint holds shape {tuple(np.shape(value))}: checkpoint of a different model.")
-        variable.assign(value)
