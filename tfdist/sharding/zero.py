@@ -220,26 +220,36 @@ class ZeroEngine:
         if slot not in self.slots:
             raise ConfigError(f"ZeRO: {type(self.optimizer).__name__} asked for slot {slot!r} that its shard "
                               f"optimizer did not create (has {self.slot_names}); this optimizer is not supported.")
-        if not self.comm.all_local:
-            raise NotImplementedError("reading the logical optimizer state across processes needs the "
-                                      "strategy's collectives to gather remote shards")
         return self.slots[slot]
 
     def read_slot(self, var: int, slot: str) -> tf.Tensor:
+        """The full value of `slot` for variable `var`. With shards in other processes this is an
+        all-gather through the strategy's collectives, so every process must read in the same order
+        (as saving on all workers does)."""
         shards = self._slot_shards(slot)
-        parts = []
-        for r, piece in self.layout.owners(var):
-            with tf.device(self.state_devices[r]):
-                parts.append(tf.identity(shards[r].value[piece.offset:piece.offset + piece.size]))
+        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
+        if self.comm.all_local:
+            parts = []
+            for r, piece in self.layout.owners(var):
+                with tf.device(self.state_devices[local[r]]):
+                    parts.append(tf.identity(shards[local[r]].value[piece.offset:piece.offset + piece.size]))
+            flat = tf.concat(parts, 0)
+        else:
+            start = self.layout.offsets[var]
+            flat = self.comm.all_gather([s.value for s in shards])[0][start:start + self.layout.sizes[var]]
         with tf.device(self.config.host_device):
-            return tf.reshape(tf.concat(parts, 0), self.layout.shapes[var])
+            return tf.reshape(flat, self.layout.shapes[var])
 
     def write_slot(self, var: int, slot: str, value: tf.Tensor) -> None:
+        """Scatters a full value of `slot` for variable `var` into the shards this process owns."""
         shards = self._slot_shards(slot)
+        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
         flat = tf.reshape(tf.cast(value, self.dtype), [-1])
         for r, piece in self.layout.owners(var):
-            with tf.device(self.state_devices[r]):
-                shards[r].value[piece.offset:piece.offset + piece.size].assign(flat[piece.start:piece.stop])
+            if r in local:
+                with tf.device(self.state_devices[local[r]]):
+                    shards[local[r]].value[piece.offset:piece.offset + piece.size].assign(
+                        flat[piece.start:piece.stop])
 
     # --- one training step -----------------------------------------------------------------
     def apply(self, grads: list, variables: list) -> None:
