@@ -82,3 +82,8 @@ test-slurm: setup system-deps
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
+
+# ZeRO stages 0/1/2: per-replica memory vs formula, peak RSS per stage, step-time ratios (issue 5)
+.PHONY: bench-zero
+bench-zero: setup
+	$(BIN)/tfdist bench zero --json $(OUT)/bench_zero.json --png $(OUT)/bench_zero.png

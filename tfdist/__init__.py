@@ -33,6 +33,7 @@ _LAZY = {
     "data": "tfdist.data",
     "devices": "tfdist.devices",
     "models": "tfdist.models",
+    "sharding": "tfdist.sharding",
     "strategies": "tfdist.strategies",
 }
 

@@ -6,8 +6,7 @@ import argparse
 import importlib
 
 # Benchmark modules under tfdist.bench; each has NAME, HELP, add_arguments(parser) and run(args).
-BENCHMARKS = ["overhead"]
-BENCHMARKS.append("scaling")  # HorovodStrategy weak scaling (needs Horovod at run time, not to list it)
+BENCHMARKS = ["overhead", "scaling", "zero"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

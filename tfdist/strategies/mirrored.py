@@ -9,6 +9,10 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.comm import cross_device_ops_from
 from tfdist.devices import resolve_devices
+from tfdist.errors import ConfigError
+from tfdist.sharding import zero
+from tfdist.sharding.collectives import LocalCollectives
+from tfdist.sharding.memory import MemoryReport, memory_report
 
 __all__ = ["MirroredStrategy"]
 
@@ -21,12 +25,20 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
       CPU:0 on a machine without GPUs), so `tfdist.devices.virtual_cpus(n)` gives n replicas;
     - checks `devices` against the machine and says which devices exist when one does not;
     - gets its own collective keys, so several strategies over different device sets can live in
-      one process (a notebook, a test session) without joining each other's groups.
+      one process (a notebook, a test session) without joining each other's groups;
+    - partitions the optimizer state (ZeRO stage 1) and the gradients (stage 2) across the replicas
+      with `zero_stage`, for any element-wise Keras optimizer, with `model.compile`/`fit` unchanged.
+      Checkpoints still hold the full logical optimizer state, loadable at any replica count and in
+      plain Keras. Gradient clipping then uses the norms of the summed (global) gradient.
 
     Args:
         devices: device names such as `['/gpu:0', '/gpu:1']`, or None for all local devices.
         cross_device_ops: None (TF's collective all-reduce), a `tf.distribute.CrossDeviceOps`, or
             one of 'collective', 'reduce_to_one', 'hierarchical_copy', 'nccl'.
+        zero_stage: 0 (every replica holds all optimizer state), 1 (each replica holds 1/N of it,
+            as flat even shards) or 2 (and keeps only its 1/N of the summed gradient).
+        offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in
+            host memory instead of on the replica's device.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -38,12 +50,43 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
         >>> model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
+    >>> zero = tfdist.MirroredStrategy(zero_stage=2)  # optimizer state and gradients sharded 4 ways
+    >>> with zero.scope():
+    ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="adam", loss="mse")
+    >>> model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
+    >>> print(zero.memory_report(model))             # bytes per replica, read from the variables
     """
 
     def __init__(
         self,
         devices: Sequence[str] | None = None,
         cross_device_ops: tf.distribute.CrossDeviceOps | str | None = None,
+        zero_stage: int = 0,
+        offload: bool = False,
     ):
+        self.zero_stage = zero.check_stage(zero_stage)
+        if not isinstance(offload, bool):
+            raise ConfigError(f"offload must be True or False, got {offload!r}.")
+        if offload and self.zero_stage == 0:
+            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
+        self.offload = offload
         self._collective_key_base = compat.fresh_collective_key_base()
         super().__init__(devices=resolve_devices(devices), cross_device_ops=cross_device_ops_from(cross_device_ops))
+        self._zero = None
+        if self.zero_stage:
+            self._zero = zero.ZeroConfig(self.zero_stage, offload, LocalCollectives(self.extended.worker_devices))
+        zero.enable()  # also gives stage 0 a clear error for an optimizer created outside the scope
+
+    def _tfdist_zero_config(self) -> zero.ZeroConfig | None:
+        # Read by the optimizer build hook (tfdist.sharding.zero) to decide whether to shard.
+        return self._zero
+
+    def memory_report(self, model) -> MemoryReport:
+        """Per-replica bytes of parameters, gradients and optimizer state of `model`'s training.
+
+        Read from the devices and shapes of the variables (and of the gradient tensors the traced
+        step keeps), next to the ZeRO formula values. Call it after the optimizer is built (after
+        the first `fit` step or `model.optimizer.build(model.trainable_variables)`).
+        """
+        return memory_report(self, model)

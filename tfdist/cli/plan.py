@@ -1,0 +1,125 @@
+"""`tfdist plan`: memory per replica for ZeRO stages 0/1/2, and the smallest stage that fits a device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """'25M' -> 25_000_000; '1.3B' -> 1_300_000_000; '12345' -> 12345."""
+    from tfdist.errors import ConfigError
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
+    if not match:
+        raise ConfigError(f"--params: expected a count such as 25M, 1.3B or 125000000, got {text!r}.")
+    value = float(match.group(1)) * SUFFIX[match.group(2)]
+    if value < 1:
+        raise ConfigError(f"--params must be at least 1, got {text!r}.")
+    return int(round(value))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="memory per replica for ZeRO stages and the smallest stage that fits",
+                       description="Per-replica bytes of parameters, gradients and optimizer state for ZeRO "
+                                   "stages 0, 1, 2 (fp32 Keras variables), and the smallest stage that fits "
+                                   "--device-memory.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="number of trainable parameters, e.g. 25M, 1.3B")
+    src.add_argument("--model", help="a .keras file: its trainable parameters (and optimizer, if compiled)")
+    p.add_argument("--replicas", type=int, required=True, help="data-parallel replicas N")
+    p.add_argument("--device-memory", type=float, default=None, help="memory per device in GB (1e9 bytes)")
+    p.add_argument("--optimizer", default=None,
+                   help="Keras optimizer name (adam, sgd, rmsprop, adagrad...); default: the model's, else adam")
+    p.add_argument("--json", default=None, help="also write the plan as JSON here")
+    p.set_defaults(run=run)
+
+
+def _state_bytes_per_param(optimizer) -> tuple[str, float]:
+    """Measured: build the optimizer on a small variable and count its per-element state."""
+    import keras
+
+    probe = keras.Variable(keras.ops.zeros((1000,)), name="probe")
+    optimizer.build([probe])
+    total = sum(1000 * _dtype_bytes(v.dtype) for v in optimizer.variables if tuple(v.shape) == (1000,))
+    return type(optimizer).__name__, total / 1000
+
+
+def _saved_optimizer_config(path: str) -> dict | None:
+    """The optimizer a .keras file was compiled with, read from its config.json (no weights loaded)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+        return None
+    return (config.get("compile_config") or {}).get("optimizer")
+
+
+def _dtype_bytes(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(str(dtype)).itemsize
+
+
+def run(args: argparse.Namespace) -> int:
+    from tfdist.errors import ConfigError
+    from tfdist.sharding.memory import zero_formula
+
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}.")
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory}.")
+    import keras
+
+    optimizer = None
+    if args.model:
+        import os
+
+        if not os.path.exists(args.model):
+            raise ConfigError(f"--model: no file {args.model!r}.")
+        model = keras.models.load_model(args.model, compile=False)
+        num_params = int(sum(int(v.numpy().size) for v in model.trainable_variables))
+        optimizer_config = _saved_optimizer_config(args.model)
+        if optimizer_config and not args.optimizer:
+            optimizer = keras.optimizers.deserialize(optimizer_config)
+    else:
+        num_params = parse_count(args.params)
+    if optimizer is None:
+        try:
+            optimizer = keras.optimizers.get(args.optimizer or "adam")
+        except ValueError:
+            raise ConfigError(f"--optimizer: Keras has no optimizer {args.optimizer!r}; try adam, sgd, "
+                              "rmsprop, adagrad, adamw.") from None
+    opt_name, state_bytes = _state_bytes_per_param(optimizer)
+    stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2)}
+    limit = args.device_memory * 1e9 if args.device_memory else None
+    fits = {s: (limit is None or f["total"] <= limit) for s, f in stages.items()}
+    smallest = next((s for s in (0, 1, 2) if fits[s]), None)
+
+    gb = lambda b: f"{b / 1e9:10.3f}"  # noqa: E731
+    print(f"{num_params:,} trainable parameters, {args.replicas} replicas, {opt_name} "
+          f"({state_bytes:g} B of optimizer state per parameter), fp32 variables")
+    print(f"{'stage':<8s}{'params':>10s}{'grads':>10s}{'opt state':>10s}{'total':>10s}  GB per replica")
+    for s, f in stages.items():
+        mark = "" if limit is None else ("  fits" if fits[s] else "  too big")
+        print(f"ZeRO-{s:<3d}{gb(f['params'])}{gb(f['gradients'])}{gb(f['optimizer_state'])}{gb(f['total'])}{mark}")
+    print("activations and framework overhead come on top of these.")
+    if limit is not None:
+        if smallest is None:
+            print(f"no stage fits {args.device_memory:g} GB: parameters alone need "
+                  f"{stages[2]['params'] / 1e9:.3f} GB (ZeRO-3 / model parallelism needed).")
+        else:
+            print(f"smallest stage that fits {args.device_memory:g} GB: ZeRO-{smallest} "
+                  f"(tfdist.MirroredStrategy(zero_stage={smallest}))")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"num_params": num_params, "replicas": args.replicas, "optimizer": opt_name,
+                       "state_bytes_per_param": state_bytes, "device_memory_gb": args.device_memory,
+                       "stages": {str(s): v for s, v in stages.items()},
+                       "fits": {str(s): v for s, v in fits.items()}, "smallest_fitting_stage": smallest}, f, indent=2)
+    return 0 if (limit is None or smallest is not None) else 1

@@ -1,0 +1,360 @@
+"""ZeRO stages 1 and 2 for any element-wise Keras 3 optimizer: flat state shards, one per replica."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.errors import ConfigError
+from tfdist.sharding.checkpoint import LogicalSlot, load_own_variables_strict
+from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding.layout import FlatLayout
+
+__all__ = ["ZeroConfig", "ZeroEngine", "SUPPORTED_STAGES", "register_elementwise", "enable"]
+
+SUPPORTED_STAGES = (0, 1, 2)
+
+# Optimizers whose update of one element depends only on that element's gradient, state and
+# scalars: running them on a flat shard of the concatenated variables gives exactly the
+# per-variable result, so their state can be cut anywhere.
+_ELEMENTWISE: list[type] = [
+    keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Adamax,
+    keras.optimizers.RMSprop, keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Lion,
+    keras.optimizers.Ftrl,
+]
+# Optimizers whose update needs the whole variable (or state shared across variables): refused.
+_NOT_ELEMENTWISE = {
+    "Adafactor": "keeps factored second moments whose shape depends on each variable's shape",
+    "Lamb": "scales each variable's update by a per-variable trust ratio (norms of whole variables)",
+    "Muon": "orthogonalises each weight matrix as a whole",
+    "Nadam": "keeps a scalar (u_product) advanced once per step outside update_step",
+    "LossScaleOptimizer": "wraps another optimizer (its inner optimizer is the one sharded)",
+}
+
+
+def register_elementwise(cls: type) -> type:
+    """Declares a custom Keras optimizer class element-wise, so ZeRO may shard it (usable as decorator).
+
+    Only do this if `update_step` treats every element independently (no norms of whole variables,
+    no state whose shape differs from the variable's).
+
+    Example:
+        >>> @tfdist.sharding.register_elementwise
+        ... class MySGD(keras.optimizers.SGD): ...
+    """
+    _ELEMENTWISE.append(cls)
+    return cls
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What a strategy asks of the ZeRO engine: the stage, offload, and its collectives."""
+
+    stage: int
+    offload: bool
+    collectives: ShardCollectives
+    host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+
+def check_stage(zero_stage) -> int:
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
+            or int(zero_stage) not in SUPPORTED_STAGES:
+        hint = (" Stage 3 (partitioned parameters) is not supported: parameters stay replicated."
+                if zero_stage == 3 else "")
+        raise ConfigError(f"zero_stage={zero_stage!r} is not supported; supported stages are "
+                          f"{set(SUPPORTED_STAGES)} (0: plain data parallel, 1: optimizer state sharded, "
+                          f"2: optimizer state and gradients sharded).{hint}")
+    return int(zero_stage)
+
+
+def enable() -> None:
+    """Installs the optimizer build hook (idempotent). Strategies with zero_stage > 0 call it."""
+    compat.install_optimizer_build_hook(_on_build)
+
+
+def _zero_config_of(strategy) -> ZeroConfig | None:
+    getter = getattr(strategy, "_tfdist_zero_config", None)
+    return getter() if callable(getter) else None
+
+
+def _on_build(optimizer, variables) -> None:
+    """Build hook: turns `optimizer` into a ZeRO optimizer when its variables live under a ZeRO strategy."""
+    if getattr(optimizer, "_tfdist_zero", None) is not None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return
+    owners = {id(s): s for s in (getattr(getattr(v, "value", v), "distribute_strategy", None) for v in variables)
+              if s is not None}
+    current = tf.distribute.get_strategy()
+    # Any tfdist strategy (even zero_stage=0) gets the clear error for a misplaced optimizer.
+    target = next((s for s in [*owners.values(), current] if hasattr(s, "_tfdist_zero_config")), None)
+    if target is None:
+        return
+    if compat.optimizer_strategy(optimizer) is not target:
+        raise ConfigError(
+            f"optimizer {optimizer.name!r} was created outside the strategy's scope, but the model's "
+            "variables belong to it. Create the optimizer (or pass its name, e.g. optimizer='adam', to "
+            "model.compile) inside `with strategy.scope():`.")
+    config = _zero_config_of(target)
+    if config is None or config.stage == 0:
+        return
+    ZeroEngine(optimizer, list(variables), target, config)
+
+
+class ZeroEngine:
+    """Turns a built-in-scope Keras optimizer into a ZeRO-1/2 optimizer in place.
+
+    The user's optimizer object stays the one the model holds (same class, same get_config, so a
+    saved model loads in plain Keras). Its slots become `LogicalSlot` views; the real state lives
+    in a twin optimizer of the same class and config (minus weight decay and clipping, which the
+    engine applies on the whole model / the global gradient), built over one flat shard variable
+    per replica, each on its owner's device (or the host with offload). A step:
+    stage 1: all-reduce the gradients exactly as stage 0 does, each owner slices its shard;
+    stage 2: reduce-scatter the gradients so each owner only receives its shard's sum;
+    then clip on the global gradient, copy the owner's parameter shard, run the optimizer's own
+    update_step on the shard, and all-gather the updated shards into every replica's parameters.
+    """
+
+    def __init__(self, optimizer, variables: list, strategy, config: ZeroConfig):
+        self.optimizer, self.strategy, self.config = optimizer, strategy, config
+        self.stage, self.comm = config.stage, config.collectives
+        self._check(optimizer, variables)
+        self.variables = list(variables)
+        self.dtype = tf.as_dtype(variables[0].dtype)
+        self.layout = FlatLayout([tuple(v.shape) for v in variables], self.comm.num_shards)
+        self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
+        self._build_shards()
+        self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
+        object.__setattr__(optimizer, "_tfdist_zero", self)
+        compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
+        compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
+        compat.override_method(optimizer, "load_own_variables", load_own_variables_strict)
+
+    # --- construction ----------------------------------------------------------------------
+    def _check(self, optimizer, variables) -> None:
+        name = type(optimizer).__name__
+        refused = next((why for n, why in _NOT_ELEMENTWISE.items()
+                        if any(c.__name__ == n for c in type(optimizer).__mro__)), None)
+        if refused or not isinstance(optimizer, tuple(_ELEMENTWISE)):
+            raise ConfigError(
+                f"ZeRO stage {self.stage} cannot shard optimizer {name}: "
+                + (f"it {refused}. " if refused else "tfdist does not know whether its update is element-wise. ")
+                + f"Supported: {', '.join(c.__name__ for c in _ELEMENTWISE)} (and classes registered with "
+                "tfdist.sharding.register_elementwise); or use zero_stage=0.")
+        if optimizer.use_ema:
+            raise ConfigError(f"ZeRO stage {self.stage}: use_ema=True on {name} would keep a full EMA copy of "
+                              "the model on every replica; not supported with zero_stage > 0 (use zero_stage=0).")
+        if optimizer.gradient_accumulation_steps:
+            raise ConfigError(f"ZeRO stage {self.stage}: gradient_accumulation_steps on {name} keeps full-size "
+                              "accumulators per replica; not supported with zero_stage > 0.")
+        if not variables:
+            raise ConfigError("ZeRO: the model has no trainable variables to shard.")
+        dtypes = {tf.as_dtype(v.dtype) for v in variables}
+        bad = [v.path if hasattr(v, "path") else v.name for v in variables if not tf.as_dtype(v.dtype).is_floating]
+        if bad:
+            raise ConfigError(f"ZeRO: trainable variables must be floating point; these are not: {bad}. "
+                              "Mark them trainable=False (integer state is not optimised by gradients).")
+        if len(dtypes) > 1:
+            raise ConfigError(f"ZeRO: all trainable variables must share one dtype to be sharded flat; found "
+                              f"{sorted(d.name for d in dtypes)}.")
+
+    def _build_shards(self) -> None:
+        """Builds the shard optimizer in a helper thread: outside the strategy scope its variables are
+        plain ones on the device we pick, instead of being mirrored on every replica."""
+        cls = type(self.optimizer)
+        cfg = self.optimizer.get_config()
+        # Weight decay, clipping and loss scaling live in apply(), which the shard optimizer never runs
+        # (the engine calls its update_step), so its config can stay the user's.
+        cfg["name"] = f"{self.optimizer.name}_shards"
+        box: dict = {}
+
+        def build():
+            try:
+                inner = cls.from_config(cfg)
+                created: dict = {}
+                original = inner.add_variable_from_reference
+
+                def record(ref, name=None, initializer="zeros"):
+                    var = original(ref, name=name, initializer=initializer)
+                    created[(id(ref), name)] = var
+                    return var
+
+                object.__setattr__(inner, "add_variable_from_reference", record)
+                shards = []
+                for sid, device in zip(self.comm.shard_ids, self.state_devices):
+                    with tf.device(device):
+                        shards.append(keras.Variable(tf.zeros([self.layout.shard_size], self.dtype),
+                                                     trainable=False, name=f"zero_shard_{sid}"))
+                with tf.device(self.state_devices[0]):
+                    inner.build(shards)
+                box.update(inner=inner, shards=shards, created=created)
+            except Exception as err:  # re-raised in the caller's thread
+                box["error"] = err
+
+        worker = threading.Thread(target=build, name="tfdist-zero-build")
+        worker.start()
+        worker.join()
+        if "error" in box:
+            raise box["error"]
+        self.inner, self.shard_params = box["inner"], box["shards"]
+        self.slot_names: list[str] = []
+        self.slots: dict[str, list] = {}
+        for (ref_id, name), var in box["created"].items():
+            i = next(k for k, s in enumerate(self.shard_params) if id(s) == ref_id)
+            if name not in self.slots:
+                self.slot_names.append(name)
+                self.slots[name] = [None] * len(self.shard_params)
+            self.slots[name][i] = var
+        own = {id(v) for vs in self.slots.values() for v in vs} | {id(self.inner.iterations)}
+        lr = getattr(self.inner, "_learning_rate", None)
+        for v in self.inner.variables:
+            if id(v) not in own and v is not lr and tuple(v.shape) not in ((), (self.layout.shard_size,)):
+                raise ConfigError(f"ZeRO cannot shard {type(self.optimizer).__name__}: its state {v.path} has "
+                                  f"shape {tuple(v.shape)}, not the variable's; only element-wise state can be cut.")
+
+    # --- logical view (checkpoints) --------------------------------------------------------
+    def _slot_shards(self, slot: str) -> list:
+        if slot not in self.slots:
+            raise ConfigError(f"ZeRO: {type(self.optimizer).__name__} asked for slot {slot!r} that its shard "
+                              f"optimizer did not create (has {self.slot_names}); this optimizer is not supported.")
+        return self.slots[slot]
+
+    def read_slot(self, var: int, slot: str) -> tf.Tensor:
+        """The full value of `slot` for variable `var`. With shards in other processes this is an
+        all-gather through the strategy's collectives, so every process must read in the same order
+        (as saving on all workers does)."""
+        shards = self._slot_shards(slot)
+        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
+        if self.comm.all_local:
+            parts = []
+            for r, piece in self.layout.owners(var):
+                with tf.device(self.state_devices[local[r]]):
+                    parts.append(tf.identity(shards[local[r]].value[piece.offset:piece.offset + piece.size]))
+            flat = tf.concat(parts, 0)
+        else:
+            start = self.layout.offsets[var]
+            flat = self.comm.all_gather([s.value for s in shards])[0][start:start + self.layout.sizes[var]]
+        with tf.device(self.config.host_device):
+            return tf.reshape(flat, self.layout.shapes[var])
+
+    def write_slot(self, var: int, slot: str, value: tf.Tensor) -> None:
+        """Scatters a full value of `slot` for variable `var` into the shards this process owns."""
+        shards = self._slot_shards(slot)
+        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
+        flat = tf.reshape(tf.cast(value, self.dtype), [-1])
+        for r, piece in self.layout.owners(var):
+            if r in local:
+                with tf.device(self.state_devices[local[r]]):
+                    shards[local[r]].value[piece.offset:piece.offset + piece.size].assign(
+                        flat[piece.start:piece.stop])
+
+    # --- one training step -----------------------------------------------------------------
+    def apply(self, grads: list, variables: list) -> None:
+        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or tf.distribute.in_cross_replica_context():
+            raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
+                              "as model.fit does.")
+        order = [compat.optimizer_variable_index(self.optimizer, v) for v in variables]
+        if sorted(order) != list(range(len(self.variables))):
+            missing = sorted(set(range(len(self.variables))) - set(order))
+            raise ConfigError(f"ZeRO needs a gradient for every trainable variable; none for "
+                              f"{[self.variables[i].path for i in missing]}. Set trainable=False on them.")
+        by_index = dict(zip(order, grads))
+        grads = [by_index[i] for i in range(len(self.variables))]
+        if self.stage == 1:  # exactly stage 0's reduction: bit-identical gradients
+            grads = compat.optimizer_all_reduce_sum(self.optimizer, grads, self.variables)
+        compat.optimizer_apply_weight_decay(self.optimizer, self.variables)
+        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
+
+    def _pieces(self, tensors: list, shard: int) -> tf.Tensor:
+        """Shard `shard` of the flat concatenation of `tensors` (one per variable), zero-padded."""
+        parts = [tf.reshape(tensors[p.var], [-1])[p.start:p.stop] for p in self.layout.pieces(shard)]
+        pad = self.layout.padding(shard)
+        if pad:
+            parts.append(tf.zeros([pad], self.dtype))
+        return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+
+    def _step(self, strategy, grads, learning_rate) -> None:
+        comm, layout = self.comm, self.layout
+        n = len(comm.devices)
+        local = strategy.experimental_local_results
+        grads = [local(g) for g in grads]  # [variable][local replica]
+        params = [local(v.value) for v in self.variables]
+        lrs = local(learning_rate) if isinstance(learning_rate, tf.distribute.DistributedValues) else [learning_rate] * n
+        if self.stage == 1:
+            shards = []
+            for i, (sid, device) in enumerate(zip(comm.shard_ids, comm.devices)):
+                with tf.device(device):
+                    shards.append(self._pieces([g[i] for g in grads], sid))
+            self.kept_gradient_bytes = [sum(int(np.prod(g[i].shape)) * g[i].dtype.size for g in grads)
+                                        for i in range(n)]
+        else:
+            chunks = []
+            for i, device in enumerate(comm.devices):
+                with tf.device(device):
+                    chunks.append([self._pieces([g[i] for g in grads], r) for r in range(layout.num_shards)])
+            shards = comm.reduce_scatter(chunks)
+            self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
+        shards = self._clip(shards)
+        for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
+            with tf.device(device):
+                self.shard_params[i].assign(self._pieces([p[i] for p in params], sid))
+        self.inner.iterations.assign(tf.cast(self.optimizer.iterations, self.inner.iterations.dtype))
+        for i, device in enumerate(self.state_devices):
+            with tf.device(device):
+                self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
+        fulls = comm.all_gather([s.value for s in self.shard_params])
+        sizes = layout.sizes + ([layout.padded - layout.total] if layout.padded > layout.total else [])
+        for i, device in enumerate(comm.devices):
+            with tf.device(device):
+                parts = tf.split(fulls[i], sizes)
+                for j, var in enumerate(params):
+                    var[i].assign(tf.reshape(parts[j], layout.shapes[j]))
+
+    def _clip(self, shards: list) -> list:
+        """Gradient clipping on the *global* (reduced) gradient, whatever the stage.
+
+        Stock Keras clips each replica's local gradient before the all-reduce; under ZeRO the norms
+        are those of the summed gradient: clipnorm per variable, global_clipnorm over all variables,
+        clipvalue element-wise on the sum.
+        """
+        opt, comm, layout = self.optimizer, self.comm, self.layout
+        if opt.clipvalue:
+            return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
+        if opt.global_clipnorm:
+            sq = [tf.reduce_sum(tf.square(s)) for s in shards]
+            totals = comm.all_reduce_sum(sq)
+            out = []
+            for s, total in zip(shards, totals):
+                norm = tf.sqrt(total)
+                out.append(s * tf.cast(opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm), s.dtype))
+            return out
+        if opt.clipnorm:
+            nvar = len(layout.sizes)
+            seg = [tf.constant(layout.segment_ids(sid)) for sid in comm.shard_ids]
+            sq = [tf.math.unsorted_segment_sum(tf.square(s), ids, nvar + 1) for s, ids in zip(shards, seg)]
+            totals = comm.all_reduce_sum(sq)
+            out = []
+            for s, total, ids in zip(shards, totals, seg):
+                factor = opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm)
+                out.append(s * tf.gather(tf.cast(factor, s.dtype), ids))
+            return out
+        return shards
+
+
+# --- methods bound onto the user's optimizer instance ------------------------------------------
+def _add_logical_slot(self, reference_variable, name=None, initializer="zeros"):
+    engine: ZeroEngine = self._tfdist_zero
+    index = compat.optimizer_variable_index(self, reference_variable)
+    slot = LogicalSlot(engine, index, name or "var", reference_variable)
+    engine._slot_shards(slot._slot)  # fails clearly if the shard optimizer has no such slot
+    self._track_variable(slot)
+    return slot
+
+
+def _zero_apply_gradients(self, grads, trainable_variables):
+    self._tfdist_zero.apply(list(grads), list(trainable_variables))
