@@ -11,9 +11,11 @@ from collections.abc import Sequence
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist.cli import bench, train
+from tfdist.cli import launch  # issue 3
 
 # Each command module has add_parser(subparsers) and run(args) -> int.
 COMMANDS = [train, bench]
+COMMANDS.append(launch)  # issue 3
 
 
 def build_parser() -> argparse.ArgumentParser:
