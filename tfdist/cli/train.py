@@ -52,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.callbacks import Throughput
     from tfdist.plots import plot_curves
 
-    keras.utils.set_random_seed(args.seed)
     strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas)
+    keras.utils.set_random_seed(args.seed)  # after the strategy: multi-worker strategies must come first
+    chief = tfdist.cluster.is_chief(strategy)  # only the chief prints progress and writes files
     replicas = strategy.num_replicas_in_sync
     data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed)
     arrays = data.arrays
-    print(f"tfdist train: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
+    where = f" [rank {tfdist.cluster.rank(strategy)}]" if tfdist.cluster.world_size(strategy) > 1 else ""
+    print(f"tfdist train{where}: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
           f"strategy={args.strategy}, replicas={replicas}, global batch={args.batch_size} "
           f"({args.batch_size // replicas} per replica), epochs={args.epochs}", flush=True)
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     throughput = Throughput(len(arrays.x_train))
     start = time.perf_counter()
     history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
-                        callbacks=[throughput], verbose=args.verbose)
+                        callbacks=[throughput], verbose=args.verbose if chief else 0)
     train_seconds = time.perf_counter() - start
     test_loss, test_accuracy = model.evaluate(data.test, verbose=0)
     print(f"test accuracy {test_accuracy:.4f}, test loss {test_loss:.4f}, "
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
+    if not chief:
+        return 0
     for path in (args.plot, args.json, args.save):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)

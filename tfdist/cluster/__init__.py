@@ -1,5 +1,27 @@
 """Where processes come from: local launcher, TF_CONFIG, SLURM, horovodrun/mpirun."""
 
+from __future__ import annotations
+
+import importlib
+
 from tfdist.cluster.rank import is_chief, rank, world_size
 
-__all__ = ["is_chief", "rank", "world_size"]
+# Names that import Keras/TensorFlow, loaded on first use: `import tfdist.cluster` stays light.
+_LAZY = {
+    "BackupAndRestore": "tfdist.cluster.chief",
+    "ModelCheckpoint": "tfdist.cluster.chief",
+    "EpochShuffle": "tfdist.cluster.chief",
+    "WorkerLostError": "tfdist.cluster.faults",
+    "launch": "tfdist.cluster.launcher",
+    "parse_tf_config": "tfdist.cluster.tf_config",
+}
+
+__all__ = ["is_chief", "rank", "world_size", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tfdist.cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

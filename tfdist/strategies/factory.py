@@ -66,3 +66,11 @@ def _default(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     if replicas not in (None, 1):
         raise ConfigError(f"strategy 'default' runs one replica; got replicas={replicas}.")
     return tf.distribute.get_strategy()
+
+
+@register("multiworker")
+def _multiworker(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # N processes from TF_CONFIG (e.g. `tfdist launch -n N`); `replicas` = local devices per worker.
+    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+    return MultiWorkerMirroredStrategy(local_devices=replicas, **options)
