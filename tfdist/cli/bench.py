@@ -7,6 +7,7 @@ import importlib
 
 # Benchmark modules under tfdist.bench; each has NAME, HELP, add_arguments(parser) and run(args).
 BENCHMARKS = ["overhead"]
+BENCHMARKS.append("allreduce")  # issue 3
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
