@@ -18,6 +18,7 @@ PYTEST_ARGS ?=
 APT_PACKAGES ?=
 
 .PHONY: help setup system-deps demo test quick bench clean
+.PHONY: bench-allreduce  # issue 3
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -59,3 +60,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
+
+# issue 3: all-reduce bus bandwidth between 2 local processes (TF RING over gRPC)
+bench: bench-allreduce
+bench-allreduce: setup
+	$(BIN)/tfdist bench allreduce --backend tf --json $(OUT)/bench_allreduce.json

@@ -1,4 +1,4 @@
-"""Command-line paths across processes: `tfdist launch -- tfdist train --strategy multiworker`, `tfdist bench allreduce`."""
+"""Command-line paths across processes: `tfdist launch -- tfdist train --strategy multiworker`, bench allreduce."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def test_local_devices_naming_absent_devices_is_a_config_error(monkeypatch):
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     # conftest configured 4 logical CPUs: /cpu:4 is not there, and this machine has no GPU.
-    for bad, word in ((["/cpu:0", "/cpu:4"], "no device '/cpu:4'"), (["/gpu:0"], "no device '/gpu:0'"), (["/tpu:0"], "not a local device"),
+    for bad, word in ((["/cpu:0", "/cpu:4"], "no device '/cpu:4'"), (["/gpu:0"], "no device '/gpu:0'"),
+                      (["/tpu:0"], "not a local device"),
                       (["/cpu:0", "/cpu:0"], "listed twice"), ("cpu:0", "list of names"), (0, ">= 1")):
         with pytest.raises(ConfigError, match=word):
             tfdist.MultiWorkerMirroredStrategy(local_devices=bad)
