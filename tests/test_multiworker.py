@@ -117,7 +117,9 @@ def test_every_topology_matches_a_single_device(results):
     expected_replicas = {"local2-rank0": 2, "2x1-rank0": 2, "2x1-rank1": 2, "2x2-rank0": 4, "2x2-rank1": 4}
     for name, replicas in expected_replicas.items():
         assert int(data[name]["replicas"]) == replicas, name
-        assert np.abs(data[name]["weights"] - reference).max() <= 1e-5, name
+        delta = np.abs(data[name]["weights"] - reference).max()
+        print(f"\n{name}: {replicas} replicas, max |w - w_single| = {delta:.2e}")
+        assert delta <= 1e-5, name
         np.testing.assert_allclose(data[name]["loss"], data["single-rank0"]["loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(data[name]["evaluation"], data["single-rank0"]["evaluation"], rtol=1e-5)
     assert not np.allclose(reference, 0)
