@@ -23,7 +23,7 @@ APT_PACKAGES += slurm-wlm munge
 APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
 HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -84,6 +84,10 @@ clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
 
 # ZeRO stages 0/1/2: per-replica memory vs formula, peak RSS per stage, step-time ratios (issue 5)
-.PHONY: bench-zero
 bench-zero: setup
 	$(BIN)/tfdist bench zero --json $(OUT)/bench_zero.json --png $(OUT)/bench_zero.png
+
+# All-reduce bus bandwidth between 2 local processes (TF RING over gRPC)
+bench: bench-allreduce
+bench-allreduce: setup
+	$(BIN)/tfdist bench allreduce --backend tf --json $(OUT)/bench_allreduce.json

@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (a module name maps to itself)
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
+    "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
     "auto_strategy": "tfdist.strategies.auto",
     "cluster": "tfdist.cluster",
     "HorovodStrategy": "tfdist.strategies.horovod",

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 # TensorFlow's C++ start-up chatter (oneDNN, CPU features) is noise on a command line; errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfdist.cli import bench, build_horovod, plan, train
+from tfdist.cli import bench, build_horovod, launch, plan, train
 from tfdist.cli import cluster as cluster_command
 
 # Each command module has add_parser(subparsers) and run(args) -> int.
-COMMANDS = [train, bench, plan, cluster_command, build_horovod]
+COMMANDS = [train, launch, bench, plan, cluster_command, build_horovod]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,13 +56,15 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.callbacks import Throughput
     from tfdist.plots import plot_curves
 
-    keras.utils.set_random_seed(args.seed)
     strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas)
+    keras.utils.set_random_seed(args.seed)  # after the strategy: multi-worker strategies must come first
+    chief = tfdist.cluster.is_chief(strategy)  # only the chief prints progress and writes files
     replicas = strategy.num_replicas_in_sync
     data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed,
                             resumable=bool(args.backup_dir))
     arrays = data.arrays
-    print(f"tfdist train: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
+    where = f" [rank {tfdist.cluster.rank(strategy)}]" if tfdist.cluster.world_size(strategy) > 1 else ""
+    print(f"tfdist train{where}: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
           f"strategy={args.strategy}, replicas={replicas}, global batch={args.batch_size} "
           f"({args.batch_size // replicas} per replica), epochs={args.epochs}", flush=True)
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         callbacks += [data.order.callback(), preemption]
     start = time.perf_counter()
     history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
-                        callbacks=callbacks, verbose=args.verbose)
+                        callbacks=callbacks, verbose=args.verbose if chief else 0)
     if args.backup_dir and preemption.preempted:
         print(f"tfdist train: stopped by a signal after epochs {preemption.completed_epochs}; "
               f"{'requeued' if preemption.requeued else 'not requeued'}", flush=True)
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
-    if not getattr(strategy, "is_chief", True):  # multi-process strategies: rank 0 writes the files
+    if not chief:
         return 0
     for path in (args.plot, args.json, args.save):
         if path and os.path.dirname(path):

@@ -74,3 +74,9 @@ def _horovod(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     from tfdist.strategies.horovod import HorovodStrategy
 
     return HorovodStrategy(local_devices=local_replica_devices(replicas), **options)
+@register("multiworker")
+def _multiworker(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # N processes from TF_CONFIG (e.g. `tfdist launch -n N`); `replicas` = local devices per worker.
+    from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+
+    return MultiWorkerMirroredStrategy(local_devices=replicas, **options)

@@ -1,0 +1,75 @@
+"""Chief-aware callbacks in one process: fixed per-epoch data order, atomic backups, non-chief writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+
+NOT_CHIEF = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}})
+
+
+def _order(shuffle: tfdist.cluster.EpochShuffle, ds: tf.data.Dataset, epoch: int) -> list[int]:
+    shuffle.on_epoch_begin(epoch)
+    return [int(v) for v in ds]
+
+
+def test_epoch_shuffle_order_depends_only_on_seed_and_epoch():
+    a = tfdist.cluster.EpochShuffle(seed=7)
+    ds_a = a.apply(tf.data.Dataset.range(50))
+    orders = [_order(a, ds_a, e) for e in range(3)]
+    assert all(sorted(o) == list(range(50)) for o in orders)
+    assert orders[0] != orders[1] != orders[2]
+    # A fresh process resuming at epoch 2 (new object, no epochs before) sees epoch 2's order...
+    b = tfdist.cluster.EpochShuffle(seed=7)
+    assert _order(b, b.apply(tf.data.Dataset.range(50)), 2) == orders[2]
+    # ...which plain tf.data reshuffling does not give: a restarted process replays epoch 0's order.
+    old = tf.data.Dataset.range(50).shuffle(50, seed=7)
+    old_epochs = [[int(v) for v in old] for _ in range(3)]
+    restarted = [int(v) for v in tf.data.Dataset.range(50).shuffle(50, seed=7)]
+    assert restarted == old_epochs[0] != old_epochs[2]
+    assert ds_a.cardinality() == 50
+
+
+def _model(seed: int = 0) -> keras.Model:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer=keras.initializers.
+                                                                    GlorotUniform(seed)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.ones((64, 1), "float32")
+    backup = tfdist.cluster.BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
+    model = _model()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[backup])
+    assert os.listdir(tmp_path / "b") == ["epoch-2"]  # only the newest, complete backup; no temp dirs left
+    state = json.loads((tmp_path / "b" / "epoch-2" / "state.json").read_text())
+    assert state["epochs_done"] == 2
+
+    resumed = _model(seed=1)  # different initial weights: everything must come from the backup
+    resumed.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=[backup])
+    assert backup.restored_epoch == 2
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # the uninterrupted third epoch
+    for a, b in zip(model.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+
+
+def test_non_chief_writes_no_backup_and_no_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", NOT_CHIEF)  # rank 1 of 2 (no strategy needed to decide)
+    x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")
+    backup = tfdist.cluster.BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
+    ckpt = tfdist.cluster.ModelCheckpoint(str(tmp_path / "m.keras"))
+    _model().fit(x, y, epochs=2, verbose=0, callbacks=[backup, ckpt])
+    assert os.listdir(tmp_path) == []
+    monkeypatch.delenv("TF_CONFIG")
+    ckpt = tfdist.cluster.ModelCheckpoint(str(tmp_path / "m.keras"))
+    _model().fit(x, y, epochs=1, verbose=0, callbacks=[ckpt])
+    assert os.listdir(tmp_path) == ["m.keras"]

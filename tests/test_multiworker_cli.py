@@ -1,0 +1,71 @@
+"""Command-line paths across processes: `tfdist launch -- tfdist train --strategy multiworker`, bench allreduce."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TFDIST = [sys.executable, "-m", "tfdist"]
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def test_train_under_the_launcher_writes_outputs_once_from_the_chief(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([*TFDIST, "launch", "-n", "2", "--", *TFDIST, "train", "--strategy", "multiworker",
+                           "--dataset", "digits", "--epochs", "2", "--json", str(out / "run.json"),
+                           "--plot", str(out / "curves.png"), "--save", str(out / "cnn.keras")],
+                          capture_output=True, text=True, env=ENV, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sorted(os.listdir(out)) == ["cnn.keras", "curves.png", "run.json"]
+    assert [line for line in lines if "wrote" in line] == [f"[0] wrote {out / n}" for n in
+                                                           ("curves.png", "run.json", "cnn.keras")]
+    assert not any(line.startswith("[1] Epoch") for line in lines)  # progress bar: chief only
+    record = json.loads((out / "run.json").read_text())
+    assert record["replicas"] == 2 and record["strategy"] == "multiworker"
+    assert len(record["history"]["loss"]) == 2 and record["history"]["loss"][1] < record["history"]["loss"][0]
+    # both workers evaluated the same model
+    accuracies = {line.split()[0]: line.split()[3].rstrip(",") for line in lines if "test accuracy" in line}
+    assert accuracies["[0]"] == accuracies["[1]"] and float(accuracies["[0]"]) > 0.5
+
+
+def test_bench_allreduce_tf_backend_writes_bus_bandwidth(tmp_path):
+    path = tmp_path / "allreduce.json"
+    proc = subprocess.run([*TFDIST, "bench", "allreduce", "--backend", "tf", "--sizes-mb", "1", "4", "--iters", "3",
+                           "--json", str(path)], capture_output=True, text=True, env=ENV, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(path.read_text())
+    assert record["backend"] == "tf" and record["num_workers"] == 2
+    assert [r["size_mb"] for r in record["results"]] == [1.0, 4.0]
+    for r in record["results"]:
+        assert r["bytes"] == int(r["size_mb"] * 2**20)
+        # N = 2: busbw = 2(N-1)/N * bytes / time = bytes / time
+        assert r["busbw_gbps"] == pytest.approx(r["bytes"] / (r["median_ms"] / 1000) / 1e9)
+        assert r["busbw_gbps"] > 0
+    assert "GB/s" in proc.stdout
+
+
+def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch):
+    import argparse
+    import builtins
+
+    from tfdist.bench import allreduce
+    from tfdist.errors import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_horovod(name, *args, **kwargs):
+        if name == "tfdist.bench.allreduce_horovod":
+            raise ImportError("No module named 'tfdist.bench.allreduce_horovod'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(allreduce.importlib, "import_module", lambda name: no_horovod(name))
+    args = argparse.Namespace(backend="horovod", sizes_mb=[1.0], iters=3, warmup=1, num_workers=2, json=None)
+    with pytest.raises(ConfigError, match="--backend horovod needs"):
+        allreduce.run(args)

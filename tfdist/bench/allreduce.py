@@ -1,0 +1,137 @@
+"""`tfdist bench allreduce`: all-reduce bus bandwidth between local processes (TF RING over gRPC, or Horovod)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+NAME = "allreduce"
+HELP = "all-reduce bus bandwidth between local processes: TF MultiWorkerMirroredStrategy RING (gRPC) or Horovod"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="tf", choices=("tf", "horovod"),
+                   help="tf: MultiWorkerMirroredStrategy RING over gRPC; horovod: hvd.allreduce")
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 16.0, 64.0], help="tensor sizes in MiB")
+    p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size first")
+    p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
+
+
+def bus_bandwidth(nbytes: int, seconds: float, n: int) -> float:
+    """Bus bandwidth in bytes/s: 2(n-1)/n * bytes / time, the traffic each link carries in a ring all-reduce."""
+    return 2 * (n - 1) / n * nbytes / seconds
+
+
+def run(args: argparse.Namespace) -> int:
+    from tfdist.errors import ConfigError
+
+    if args.iters < 1 or args.num_workers < 2 or any(s <= 0 for s in args.sizes_mb):
+        raise ConfigError(f"need --iters >= 1, -n >= 2 and sizes > 0; got --iters {args.iters}, "
+                          f"-n {args.num_workers}, --sizes-mb {args.sizes_mb}.")
+    if args.backend == "horovod":
+        try:
+            module = importlib.import_module("tfdist.bench.allreduce_horovod")
+        except ImportError as err:
+            raise ConfigError(f"--backend horovod needs tfdist.bench.allreduce_horovod and Horovod ({err}); "
+                              "install the horovod extra (make horovod) or use --backend tf.") from None
+        record = module.run(args)
+    else:
+        record = _run_tf(args)
+    _report(record)
+    from tfdist.bench.common import write_json
+
+    write_json(args.json, record)
+    return 0
+
+
+def _run_tf(args: argparse.Namespace) -> dict:
+    from tfdist.bench.common import machine
+    from tfdist.cluster.launcher import launch
+    from tfdist.errors import ConfigError
+
+    with tempfile.TemporaryDirectory(prefix="tfdist-allreduce-") as tmp:
+        result_path = os.path.join(tmp, "rank0.json")
+        cmd = [sys.executable, "-m", "tfdist.bench.allreduce", "--worker", result_path, "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--sizes-mb", *map(str, args.sizes_mb)]
+        log = io.StringIO()
+        code = launch(cmd, args.num_workers, backend="tf", out=log, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+        if code != 0 or not os.path.exists(result_path):
+            raise ConfigError(f"all-reduce workers failed (exit code {code}):\n{log.getvalue()[-3000:]}")
+        with open(result_path) as f:
+            results = json.load(f)
+    return {"benchmark": NAME, "backend": "tf", "engine": "tf.distribute.MultiWorkerMirroredStrategy, RING over gRPC",
+            "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
+            "busbw_formula": "2(N-1)/N * bytes / median time", "results": results, "machine": machine()}
+
+
+def _report(record: dict) -> None:
+    print(f"all-reduce, {record.get('engine', record.get('backend'))}, {record.get('num_workers')} processes, "
+          f"median of {record.get('iters')}")
+    print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}")
+    for r in record.get("results", []):
+        print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s")
+
+
+def _worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", required=True)
+    p.add_argument("--iters", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--sizes-mb", type=float, nargs="+", required=True)
+    args = p.parse_args(argv)
+
+    import tfdist
+
+    strategy = tfdist.MultiWorkerMirroredStrategy(communication="ring", timeout_s=300)  # first: before any op
+    import tensorflow as tf
+
+    n = tfdist.cluster.world_size(strategy)
+    results = []
+    for size_mb in args.sizes_mb:
+        count = int(size_mb * 2**20) // 4
+        with strategy.scope():  # one copy per worker, made once: the timed step only reduces
+            value = tf.Variable(tf.ones([count], tf.float32), trainable=False)
+
+        @tf.function
+        def allreduce():
+            def replica():
+                out = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value.read_value())
+                return out[0] + out[-1]  # a scalar to fetch: syncs on the whole result, copies nothing big
+
+            return strategy.run(replica)
+
+        def once() -> float:
+            start = time.perf_counter()
+            got = strategy.experimental_local_results(allreduce())[0].numpy()
+            seconds = time.perf_counter() - start
+            if got != 2 * n:  # every element sums to n
+                raise RuntimeError(f"all-reduce returned {got / 2}, expected {n}")
+            return seconds
+
+        for _ in range(args.warmup):
+            once()
+        times = [once() for _ in range(args.iters)]
+        median = statistics.median(times)
+        nbytes = count * 4
+        results.append({"size_mb": size_mb, "bytes": nbytes, "median_ms": 1000 * median,
+                        "min_ms": 1000 * min(times), "busbw_gbps": bus_bandwidth(nbytes, median, n) / 1e9,
+                        "algbw_gbps": nbytes / median / 1e9})
+        if tfdist.cluster.is_chief(strategy):
+            print(f"{size_mb:g} MB: median {1000 * median:.2f} ms", flush=True)
+    if tfdist.cluster.is_chief(strategy):
+        with open(args.worker, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

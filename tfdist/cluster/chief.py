@@ -1,0 +1,189 @@
+"""Chief-aware Keras callbacks: backups and checkpoints written once, by the chief; resume with a fixed data order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.cluster.rank import is_chief
+
+__all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle"]
+
+_BACKUP = re.compile(r"^epoch-(\d+)$")
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the whole training state after every epoch and restores it when `fit` starts again.
+
+    Multi-worker version of `keras.callbacks.BackupAndRestore` (which has no chief logic in Keras 3):
+    - only the chief writes; every worker restores from the same `backup_dir` (a directory all
+      workers see: the same machine, or a shared file system);
+    - each backup (model and optimizer weights, and the epoch) appears atomically as
+      `backup_dir/epoch-N` (written under a temporary name, then renamed), so a worker killed while
+      saving leaves the previous backup intact;
+    - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated.
+      With shuffled data, also use `EpochShuffle` so epoch N sees the same order as in an
+      uninterrupted run, and the result is bitwise the same.
+
+    Args:
+        backup_dir: directory for the backups (created by the chief).
+        delete_on_success: remove `backup_dir` when `fit` finishes (the chief does).
+        strategy: the strategy, to decide who is chief (default: TF_CONFIG / launcher rank).
+
+    Example:
+        >>> backup = tfdist.cluster.BackupAndRestore("/shared/run1/backup")
+        >>> model.fit(data, epochs=10, callbacks=[backup])   # rerun the same command after a crash
+    """
+
+    def __init__(self, backup_dir: str, delete_on_success: bool = True, strategy=None):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("backup_dir must name a directory, got an empty value.")
+        self.backup_dir = os.fspath(backup_dir)
+        self.delete_on_success = delete_on_success
+        self._strategy = strategy
+        self.restored_epoch: int | None = None
+
+    def latest(self) -> tuple[int, str] | None:
+        """(epochs done, path) of the newest complete backup, or None."""
+        if not os.path.isdir(self.backup_dir):
+            return None
+        found = [(int(m.group(1)), os.path.join(self.backup_dir, name))
+                 for name in os.listdir(self.backup_dir) if (m := _BACKUP.match(name))]
+        return max(found) if found else None
+
+    def on_train_begin(self, logs=None):
+        self.restored_epoch = None
+        latest = self.latest()
+        if latest is None:
+            return
+        epochs_done, path = latest
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(os.path.join(path, "state.weights.h5"))
+        compat.set_initial_epoch(self.model, epochs_done)
+        self.restored_epoch = epochs_done
+        if is_chief(self._strategy):
+            print(f"tfdist: restored {path}; resuming at epoch {epochs_done + 1}", flush=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not is_chief(self._strategy):
+            return  # other workers hold the same state: one copy is enough
+        os.makedirs(self.backup_dir, exist_ok=True)
+        tmp = os.path.join(self.backup_dir, f".tmp-epoch-{epoch + 1}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self.model.save_weights(os.path.join(tmp, "state.weights.h5"))  # model + optimizer variables
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"epochs_done": epoch + 1, "logs": {k: float(v) for k, v in (logs or {}).items()}}, f)
+        final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for name in os.listdir(self.backup_dir):  # keep only the newest backup
+            m = _BACKUP.match(name)
+            if m and int(m.group(1)) < epoch + 1:
+                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+    def on_train_end(self, logs=None):
+        if self.delete_on_success and is_chief(self._strategy):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+          "on_train_batch_end", "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
+          "on_predict_begin", "on_predict_end", "on_predict_batch_begin", "on_predict_batch_end")
+
+
+class ModelCheckpoint(keras.callbacks.Callback):
+    """`keras.callbacks.ModelCheckpoint` that saves on the chief only; other workers write nothing.
+
+    Takes the same arguments as `keras.callbacks.ModelCheckpoint`, plus `strategy` (who is chief).
+    All workers hold identical weights and identical (all-reduced) metrics, so the chief's copy is
+    the model, and "save_best_only" decides the same way everywhere.
+
+    Example:
+        >>> ckpt = tfdist.cluster.ModelCheckpoint("out/best.keras", monitor="val_loss", save_best_only=True)
+    """
+
+    def __init__(self, filepath, *args, strategy=None, **kwargs):
+        super().__init__()
+        self.chief = is_chief(strategy)
+        self.inner = keras.callbacks.ModelCheckpoint(filepath, *args, **kwargs) if self.chief else None
+
+    def set_model(self, model):
+        super().set_model(model)
+        if self.inner is not None:
+            self.inner.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        if self.inner is not None:
+            self.inner.set_params(params)
+
+
+def _forward(name):
+    def hook(self, *args, **kwargs):
+        if self.inner is not None:
+            return getattr(self.inner, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    return hook
+
+
+for _name in _HOOKS:
+    setattr(ModelCheckpoint, _name, _forward(_name))
+
+
+class EpochShuffle(keras.callbacks.Callback):
+    """Shuffles a dataset with a different but fixed order per epoch: epoch N's order depends only on (seed, N).
+
+    `tf.data`'s `shuffle(reshuffle_each_iteration=True)` draws each epoch's order from a generator
+    that restarts with the process, so a run resumed at epoch 3 would replay epoch 1's order. This
+    callback sets the epoch before each epoch's iterator is made, and `apply` keys the order on it,
+    which makes a resumed run see exactly the data of an uninterrupted one. Every worker computes the
+    same order, so per-worker shards stay disjoint.
+
+    Example:
+        >>> order = tfdist.cluster.EpochShuffle(seed=0)
+        >>> train = order.apply(tf.data.Dataset.from_tensor_slices((x, y))).batch(64)
+        >>> model.fit(train, epochs=5, callbacks=[order, tfdist.cluster.BackupAndRestore("backup")])
+    """
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.seed = int(seed)
+        self._epoch: tf.Variable | None = None
+
+    def _variable(self) -> tf.Variable:
+        if self._epoch is None:  # made on first use: creating it starts TensorFlow
+            with tf.init_scope():
+                self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_epoch")
+        return self._epoch
+
+    def apply(self, dataset: tf.data.Dataset, buffer_size: int | None = None) -> tf.data.Dataset:
+        """`dataset` (unbatched) in a per-epoch order; `buffer_size` defaults to the whole dataset."""
+        epoch = self._variable()
+        size = int(dataset.cardinality())
+        if buffer_size is None:
+            if size < 0:
+                raise ValueError("EpochShuffle.apply: the dataset's size is unknown; pass buffer_size.")
+            buffer_size = size
+        seed = self.seed
+
+        def one_epoch(_):
+            return dataset.shuffle(buffer_size, seed=tf.constant(seed, tf.int64) * 1_000_003 + epoch.read_value(),
+                                   reshuffle_each_iteration=False)
+
+        shuffled = tf.data.Dataset.from_tensors(0).flat_map(one_epoch)
+        if size >= 0:
+            shuffled = shuffled.apply(tf.data.experimental.assert_cardinality(size))
+        return shuffled
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._variable().assign(epoch)

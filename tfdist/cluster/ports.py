@@ -1,0 +1,49 @@
+"""Free TCP ports on this machine, chosen by the kernel (bind port 0), never fixed numbers."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+__all__ = ["free_ports", "port_open"]
+
+
+def free_ports(n: int) -> list[int]:
+    """Returns `n` distinct TCP ports that were free a moment ago.
+
+    All sockets stay bound until every port is chosen, so the kernel never hands out one twice.
+    Another program may still take a port before the worker binds it; the window is milliseconds.
+
+    Example:
+        >>> a, b = free_ports(2)
+    """
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))  # all interfaces: what TensorFlow's gRPC server binds
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def port_open(address: str, timeout_s: float = 0.5) -> bool:
+    """True when something accepts TCP connections at 'host:port'."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(address: str, timeout_s: float) -> bool:
+    """Polls `address` until it accepts connections or `timeout_s` passes; returns whether it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_open(address):
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,162 @@
+"""TF_CONFIG: parse and check it with clear errors, write one per local worker, and the launcher's "tf" backend."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from tfdist.cluster.ports import free_ports
+from tfdist.errors import ConfigError
+
+__all__ = ["ClusterConfig", "parse_tf_config", "tf_config_from_env", "make_tf_configs", "TFConfigBackend",
+           "LOCAL_DEVICES_ENV"]
+
+# The launcher tells each worker how many local devices to use through this variable (an integer);
+# tfdist.MultiWorkerMirroredStrategy reads it when `local_devices` is None.
+LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
+
+# Jobs MultiWorkerMirroredStrategy can run. 'ps' belongs to ParameterServerStrategy; 'evaluator' runs
+# outside the collective group (side-car evaluation), which this strategy does not support.
+_JOBS = ("chief", "worker")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A checked TF_CONFIG: the cluster (job -> addresses) and this process's task.
+
+    `rank` numbers tasks chief first, then workers, which is also the order of TF's collective group.
+    """
+
+    cluster: dict[str, list[str]]
+    task_type: str
+    task_index: int
+
+    @property
+    def num_workers(self) -> int:
+        return sum(len(self.cluster.get(job, [])) for job in _JOBS)
+
+    @property
+    def rank(self) -> int:
+        if self.task_type == "chief":
+            return 0
+        return len(self.cluster.get("chief", [])) + self.task_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def task_name(self) -> str:
+        """E.g. '/job:worker/replica:0/task:1', the way TensorFlow's errors name a task."""
+        return f"/job:{self.task_type}/replica:0/task:{self.task_index}"
+
+    def address(self, task_type: str | None = None, task_index: int | None = None) -> str:
+        task_type = self.task_type if task_type is None else task_type
+        task_index = self.task_index if task_index is None else task_index
+        return self.cluster[task_type][task_index]
+
+    def peers(self) -> list[tuple[str, int, str]]:
+        """Every other task as (task_type, index, address)."""
+        return [(job, i, addr) for job in _JOBS for i, addr in enumerate(self.cluster.get(job, []))
+                if (job, i) != (self.task_type, self.task_index)]
+
+    def to_json(self) -> str:
+        return json.dumps({"cluster": self.cluster, "task": {"type": self.task_type, "index": self.task_index}})
+
+
+def parse_tf_config(value: str | Mapping) -> ClusterConfig:
+    """Checks a TF_CONFIG (JSON text or a dict) and returns it as a ClusterConfig.
+
+    Raises ConfigError for text that is not JSON, a missing 'cluster' or 'task', an unknown job, an
+    index out of range, a malformed or duplicate address.
+
+    Example:
+        >>> cfg = parse_tf_config('{"cluster": {"worker": ["localhost:2222", "localhost:2223"]},'
+        ...                       ' "task": {"type": "worker", "index": 1}}')
+        >>> cfg.num_workers, cfg.rank, cfg.is_chief
+        (2, 1, False)
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"TF_CONFIG is not valid JSON ({err.msg} at character {err.pos}): {value[:200]!r}. "
+                              'Expected e.g. {"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+                              '"task": {"type": "worker", "index": 0}}.') from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', got {type(value).__name__}.")
+    cluster, task = value.get("cluster"), value.get("task")
+    if not isinstance(cluster, Mapping) or not cluster:
+        raise ConfigError(f"TF_CONFIG has no 'cluster' (job name -> list of 'host:port'), got {cluster!r}.")
+    if not isinstance(task, Mapping) or "type" not in task or "index" not in task:
+        raise ConfigError(f"TF_CONFIG has no 'task' with 'type' and 'index' (which task this process is), "
+                          f"got {task!r}. Example: \"task\": {{\"type\": \"worker\", \"index\": 0}}.")
+    jobs: dict[str, list[str]] = {}
+    seen: dict[str, str] = {}
+    for job, addresses in cluster.items():
+        if job not in _JOBS:
+            raise ConfigError(f"TF_CONFIG cluster has job {job!r}; MultiWorkerMirroredStrategy runs only "
+                              f"{list(_JOBS)} tasks (drop {job!r}, or use another strategy for it).")
+        if isinstance(addresses, str) or not isinstance(addresses, list) or not addresses:
+            raise ConfigError(f"TF_CONFIG cluster[{job!r}] must be a non-empty list of 'host:port', got {addresses!r}.")
+        for i, addr in enumerate(addresses):
+            _check_address(addr, f"cluster[{job!r}][{i}]")
+            if addr in seen:
+                raise ConfigError(f"TF_CONFIG lists address {addr!r} twice ({seen[addr]} and {job}[{i}]); "
+                                  "every task needs its own host:port.")
+            seen[addr] = f"{job}[{i}]"
+        jobs[job] = list(addresses)
+    if len(jobs.get("chief", [])) > 1:
+        raise ConfigError(f"TF_CONFIG has {len(jobs['chief'])} chief tasks; there can be at most one.")
+    task_type, index = task["type"], task["index"]
+    if task_type not in jobs:
+        raise ConfigError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster {sorted(jobs)}.")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ConfigError(f"TF_CONFIG task index must be an integer, got {index!r}.")
+    if not 0 <= index < len(jobs[task_type]):
+        raise ConfigError(f"TF_CONFIG task index {index} is out of range: job {task_type!r} has "
+                          f"{len(jobs[task_type])} task(s), so the index must be 0..{len(jobs[task_type]) - 1}.")
+    return ClusterConfig(jobs, task_type, index)
+
+
+def _check_address(addr: object, where: str) -> None:
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ConfigError(f"TF_CONFIG {where} must be 'host:port', got {addr!r}.")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"TF_CONFIG {where} must be 'host:port' with a port 1..65535, got {addr!r}.")
+
+
+def tf_config_from_env(environ: Mapping[str, str] | None = None) -> ClusterConfig | None:
+    """The checked TF_CONFIG of this process, or None when TF_CONFIG is unset or empty."""
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
+    return parse_tf_config(text) if text else None
+
+
+def make_tf_configs(n: int, host: str = "localhost") -> list[str]:
+    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"number of workers must be a whole number >= 1, got {n!r}.")
+    addresses = [f"{host}:{port}" for port in free_ports(n)]
+    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}) for i in range(n)]
+
+
+class TFConfigBackend:
+    """Launcher backend "tf": TF_CONFIG on free loopback ports, plus the local device count.
+
+    Example:
+        >>> with TFConfigBackend().environments(2, devices_per_worker=1) as envs:
+        ...     envs[1]["TF_CONFIG"]  # '{"cluster": {"worker": ["localhost:41213", ...]}, "task": {..., "index": 1}}'
+    """
+
+    name = "tf"
+
+    @contextlib.contextmanager
+    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+        if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
+            raise ConfigError(f"devices_per_worker must be a whole number >= 1, got {devices_per_worker!r}.")
+        yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), "TFDIST_RANK": str(i),
+                "TFDIST_WORLD_SIZE": str(n)} for i, cfg in enumerate(make_tf_configs(n))]
