@@ -69,3 +69,18 @@ def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch
     args = argparse.Namespace(backend="horovod", sizes_mb=[1.0], iters=3, warmup=1, num_workers=2, json=None)
     with pytest.raises(ConfigError, match="--backend horovod needs"):
         allreduce.run(args)
+
+
+def test_bench_allreduce_horovod_backend_compares_engines_side_by_side(tmp_path):
+    path = tmp_path / "allreduce_horovod.json"
+    proc = subprocess.run([*TFDIST, "bench", "allreduce", "--backend", "horovod", "--sizes-mb", "1", "--iters", "2",
+                           "--rounds", "1", "--no-gloo", "--json", str(path)],
+                          capture_output=True, text=True, env=ENV, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(path.read_text())
+    assert record["backend"] == "horovod" and record["ranks"] == 2
+    assert set(record["results"]) == {"horovod-mpi", "strategy-mpi", "mpi4py"}
+    assert all(r["1"]["busbw_gbps"] > 0 for r in record["results"].values())
+    ratio = record["ratios"]["strategy/horovod (mpi)"]["1"]
+    assert ratio == pytest.approx(record["results"]["strategy-mpi"]["1"]["busbw_gbps"]
+                                  / record["results"]["horovod-mpi"]["1"]["busbw_gbps"])

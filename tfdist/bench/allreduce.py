@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size first")
     p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
+    horovod = p.add_argument_group("--backend horovod", "raw hvd.allreduce vs HorovodStrategy's gradient path "
+                                   "vs mpi4py, under mpirun and then Horovod's Gloo controller")
+    horovod.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size")
+    horovod.add_argument("--no-gloo", action="store_true", help="skip the run under Horovod's Gloo controller")
 
 
 def bus_bandwidth(nbytes: int, seconds: float, n: int) -> float:
@@ -43,9 +47,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise ConfigError(f"--backend horovod needs tfdist.bench.allreduce_horovod and Horovod ({err}); "
                               "install the horovod extra (make horovod) or use --backend tf.") from None
-        record = module.run(args)
-    else:
-        record = _run_tf(args)
+        args.np = args.num_workers
+        module.run(args)  # prints its side-by-side table and ratios, writes the JSON
+        return 0
+    record = _run_tf(args)
     _report(record)
     from tfdist.bench.common import write_json
 
