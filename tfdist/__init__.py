@@ -26,6 +26,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it (a module name maps to itself)
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
+    "LayerPlacementStrategy": "tfdist.strategies.layer_placement",
+    "placement": "tfdist.placement",
     "compat": "tfdist.compat",
     "data": "tfdist.data",
     "devices": "tfdist.devices",

@@ -2,5 +2,6 @@
 
 from tfdist.strategies.factory import make_strategy, register, strategy_names
 from tfdist.strategies.mirrored import MirroredStrategy
+from tfdist.strategies.layer_placement import LayerPlacementStrategy
 
-__all__ = ["MirroredStrategy", "make_strategy", "register", "strategy_names"]
+__all__ = ["LayerPlacementStrategy", "MirroredStrategy", "make_strategy", "register", "strategy_names"]

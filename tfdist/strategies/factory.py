@@ -66,3 +66,12 @@ def _default(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     if replicas not in (None, 1):
         raise ConfigError(f"strategy 'default' runs one replica; got replicas={replicas}.")
     return tf.distribute.get_strategy()
+
+
+@register("placement")
+def _placement(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # Layer placement: `replicas` devices become the stages of one pipeline ("auto" balance),
+    # unless options say otherwise (placement=, balance=, micro_batches=, data_parallel=).
+    from tfdist.strategies.layer_placement import LayerPlacementStrategy
+
+    return LayerPlacementStrategy(devices=local_replica_devices(replicas), **options)
