@@ -162,16 +162,24 @@ def keras_model_of_step(fn, _depth: int = 0):
 
 
 def dataset_batch_size(dataset) -> int | None:
-    """The batch size a tf.data pipeline was batched with, if a `.batch(n)` with a constant n is
-    found walking its input datasets; None otherwise."""
-    seen = 0
-    while dataset is not None and seen < 64:
-        size = getattr(dataset, "_batch_size", None)
+    """The batch size a tf.data pipeline was batched with: a `.batch(n)` with a constant n found
+    walking its input datasets (through zips too), or a static batch dimension; None otherwise.
+
+    Keras' own NumPy-array pipelines slice batches by index and show no batch size."""
+    for spec in tf.nest.flatten(getattr(dataset, "element_spec", None)):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and shape.rank and shape[0] is not None:
+            return int(shape[0])
+    stack, seen = [dataset], 0
+    while stack and seen < 64:
+        current = stack.pop()
+        seen += 1
+        size = getattr(current, "_batch_size", None)
         if size is not None:
             value = tf.get_static_value(size)
             return int(value) if value is not None else None
-        dataset = getattr(dataset, "_input_dataset", None)
-        seen += 1
+        stack.extend(d for d in [getattr(current, "_input_dataset", None), *tf.nest.flatten(getattr(current, "_datasets", ()))]
+                     if d is not None)
     return None
 
 

@@ -24,7 +24,7 @@ def block_partition(costs: Sequence[float], stages: int) -> list[int]:
         >>> block_partition([1, 1, 1, 1, 4], 2)
         [4, 1]
         >>> block_partition([3, 1, 1, 1], 3)
-        [1, 2, 1]
+        [1, 1, 2]
     """
     n = len(costs)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:

@@ -88,8 +88,10 @@ def place_layer_call(layer: keras.layers.Layer, device_for_replica: Callable[[],
             return outputs, grad
 
         # With no float inputs (integer ids into an Embedding) `stage` has no arguments and
-        # still returns the weight gradients.
-        return stage(*[flat[i] for i in slots])
+        # still returns the weight gradients. The device scope also covers the IdentityN that
+        # custom_gradient adds around the outputs, so outputs stay on the stage.
+        with tf.device(device):
+            return stage(*[flat[i] for i in slots])
 
     setattr(layer, _ORIGINAL, original)
     layer.call = call

@@ -14,22 +14,27 @@ __all__ = ["pipeline_model_call", "split_batch"]
 _ORIGINAL = "_tfdist_original_model_call"
 
 
-def split_batch(x: tf.Tensor, micro_batches: int) -> list[tf.Tensor]:
-    """Splits `x` along axis 0 into `micro_batches` parts.
+def split_batch(x: tf.Tensor, micro_batches: int) -> tuple[list[tf.Tensor], tf.Tensor | None]:
+    """Splits `x` along axis 0 into `micro_batches` equal parts; returns (parts, true size or None).
 
     A batch whose size is known when tracing must divide evenly (ConfigError otherwise). A batch
-    of unknown size (the usual tf.data case) is split as evenly as possible at run time: sizes
-    differ by at most one, so the smaller last batch of an epoch still trains.
+    of unknown size (the usual tf.data case, where an epoch's last batch can be smaller) is padded
+    with zeros to a multiple of `micro_batches` at run time, and the true size is returned so the
+    caller can drop the padded rows from the outputs: they then get no gradient, and the loss
+    and every weight gradient are those of the real samples. (Uneven or empty micro-batches are
+    avoided on purpose: oneDNN convolutions failed on them here, "input depth must be evenly
+    divisible by filter depth".)
     """
     size = x.shape[0]
     if size is not None:
         if size % micro_batches:
             raise ConfigError(f"micro_batches={micro_batches} does not divide the per-replica batch of {size}; "
                               f"use a batch size that is a multiple of {micro_batches} per replica.")
-        return tf.split(x, micro_batches, axis=0)
+        return tf.split(x, micro_batches, axis=0), None
     n = tf.shape(x)[0]
-    sizes = n // micro_batches + tf.cast(tf.range(micro_batches) < n % micro_batches, n.dtype)
-    return tf.split(x, sizes, num=micro_batches, axis=0)
+    padded = (n + micro_batches - 1) // micro_batches * micro_batches
+    pad = tf.zeros(tf.concat([[padded - n], tf.shape(x)[1:]], axis=0), dtype=x.dtype)
+    return tf.split(tf.concat([x, pad], axis=0), micro_batches, axis=0), n
 
 
 def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
@@ -58,11 +63,12 @@ def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
         if (any(isinstance(t, keras.KerasTensor) for t in flat) or tf.executing_eagerly()
                 or not tf.inside_function()):
             return original(inputs, *args, **kwargs)
-        parts = [split_batch(tf.convert_to_tensor(t), micro_batches) for t in flat]
+        splits = [split_batch(tf.convert_to_tensor(t), micro_batches) for t in flat]
+        parts, size = [p for p, _ in splits], splits[0][1]
         mask = kwargs.get("mask")
         masks = None
         if mask is not None:
-            masks = [split_batch(m, micro_batches) if tf.is_tensor(m) else [m] * micro_batches
+            masks = [split_batch(m, micro_batches)[0] if tf.is_tensor(m) else [m] * micro_batches
                      for m in tf.nest.flatten(mask)]
         outputs = []
         for m in range(micro_batches):
@@ -72,7 +78,12 @@ def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
                 kw["mask"] = tf.nest.pack_sequence_as(mask, [ms[m] for ms in masks])
             with tf.name_scope(f"micro_batch_{m}"):
                 outputs.append(original(chunk, *args, **kw))
-        return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
+
+        def gather(*xs):
+            joined = tf.concat(xs, axis=0)
+            return joined if size is None else joined[:size]
+
+        return tf.nest.map_structure(gather, *outputs)
 
     setattr(model, _ORIGINAL, original)
     model.call = call

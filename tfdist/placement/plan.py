@@ -98,7 +98,9 @@ class StagePlan:
 
 
 def _short(device: str) -> str:
-    return device.split("device:")[-1] if "device:" in device else device
+    from tfdist.placement.device_scope import canonical_device
+
+    return canonical_device(device) or device
 
 
 def _prod(shape: Sequence) -> int:

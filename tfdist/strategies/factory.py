@@ -72,6 +72,15 @@ def _default(replicas: int | None = None, **options) -> tf.distribute.Strategy:
 def _placement(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     # Layer placement: `replicas` devices become the stages of one pipeline ("auto" balance),
     # unless options say otherwise (placement=, balance=, micro_batches=, data_parallel=).
+    from tfdist.devices import local_devices
+    from tfdist.errors import InitOrderError
     from tfdist.strategies.layer_placement import LayerPlacementStrategy
 
-    return LayerPlacementStrategy(devices=local_replica_devices(replicas), **options)
+    try:
+        devices = local_replica_devices(replicas)
+    except InitOrderError:  # TF already started with more logical devices: use the first ones
+        available = local_devices()
+        if replicas is None or replicas > len(available):
+            raise
+        devices = available[:replicas]
+    return LayerPlacementStrategy(devices=devices, **options)
