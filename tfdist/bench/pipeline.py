@@ -109,7 +109,8 @@ def _measure(micro_batches: int, args, data, devices):
     return strategy.placement_plan(), steps, median
 
 
-def _plot(results: list[dict], stages: int, path: str) -> None:
+def plot_timeline(results: list[dict], stages: int, path: str | None = None):
+    """One panel per M, one row per stage: when each stage's device was running ops."""
     from tfdist.plots import _pyplot
 
     plt = _pyplot()
@@ -126,8 +127,39 @@ def _plot(results: list[dict], stages: int, path: str) -> None:
                      f"{r['efficiency']:.2f} (GPipe ideal {r['ideal']:.2f})", fontsize=9)
     axes[-1, 0].set_xlabel("ms since the step's first op")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    if path:
+        fig.savefig(path, dpi=100)
+        print(f"wrote {path}")
+    return fig
+
+
+def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, steps: int = 5,
+                     balance: str = "time", model: str = "mlp") -> list[dict]:
+    """Profiles training steps of a len(devices)-stage pipeline for each M in `micro_batches`.
+
+    Per M: the median step (by makespan) with each stage's busy time (union of its ops' run
+    intervals in TF's profiler trace, ops mapped to devices by TF's executed partition graphs),
+    efficiency = sum(busy) / (stages x makespan), the GPipe ideal M/(M+K-1), and the intervals.
+    """
+    import argparse
+
+    k = len(devices)
+    opts = argparse.Namespace(steps=steps, balance=balance, model=model)
+    results = []
+    for m in micro_batches:
+        plan, all_steps, median = _measure(m, opts, data, devices)
+        names = sorted(median["busy_ms"], key=lambda d: int(d.rsplit(":", 1)[-1]))
+        busy = [median["busy_ms"].get(d, 0.0) for d in names]
+        efficiency = sum(busy) / (k * median["makespan_ms"])
+        ideal = m / (m + k - 1)
+        results.append({
+            "micro_batches": m, "makespan_ms": median["makespan_ms"],
+            "makespan_ms_all": [s["makespan_ms"] for s in all_steps],
+            "busy_ms": dict(zip(names, busy)), "efficiency": efficiency, "ideal": ideal,
+            "ratio_to_ideal": efficiency / ideal, "devices": names, "timeline": median["intervals"],
+            "stage_of": plan.stage_of,
+        })
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,31 +176,21 @@ def run(args: argparse.Namespace) -> int:
     devices = tfdist.devices.virtual_cpus(args.stages)[: args.stages]
     data = tfdist.data.mnist(global_batch_size=args.batch_size)
     k = args.stages
-    results = []
     print(f"{'M':>3s} {'step ms':>8s} " + " ".join(f"{'busy s' + str(i):>9s}" for i in range(k))
           + f" {'efficiency':>10s} {'ideal':>6s} {'ratio':>6s}")
-    for m in args.micro_batches:
-        plan, steps, median = _measure(m, args, data, devices)
-        names = sorted(median["busy_ms"], key=lambda d: int(d.rsplit(":", 1)[-1]))
-        busy = [median["busy_ms"].get(d, 0.0) for d in names]
-        efficiency = sum(busy) / (k * median["makespan_ms"])
-        ideal = m / (m + k - 1)
-        results.append({
-            "micro_batches": m, "makespan_ms": median["makespan_ms"],
-            "makespan_ms_all": [s["makespan_ms"] for s in steps],
-            "busy_ms": dict(zip(names, busy)), "efficiency": efficiency, "ideal": ideal,
-            "ratio_to_ideal": efficiency / ideal, "devices": names, "timeline": median["intervals"],
-            "stage_of": plan.stage_of,
-        })
-        print(f"{m:3d} {median['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
-              + f" {efficiency:10.3f} {ideal:6.3f} {efficiency / ideal:6.3f}")
+    results = measure_pipeline(args.micro_batches, devices, data, steps=args.steps, balance=args.balance,
+                               model=args.model)
+    for r in results:
+        busy = list(r["busy_ms"].values())
+        print(f"{r['micro_batches']:3d} {r['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
+              + f" {r['efficiency']:10.3f} {r['ideal']:6.3f} {r['ratio_to_ideal']:6.3f}")
     last = next((r for r in results if r["micro_batches"] == 8), results[-1])
     verdict = "PASS" if last["ratio_to_ideal"] >= 0.9 else "MISS"
     print(f"M={last['micro_batches']}: efficiency / ideal = {last['ratio_to_ideal']:.3f} (target >= 0.9): {verdict}")
     print(f"step time M=1 -> M={last['micro_batches']}: {results[0]['makespan_ms']:.2f} -> "
           f"{last['makespan_ms']:.2f} ms (median of {args.steps})")
     if args.png:
-        _plot(results, k, args.png)
+        plot_timeline(results, k, args.png)
     write_json(args.json, {
         "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
         "intra_op_threads": args.intra_op_threads, "balance": args.balance, "model": args.model,
