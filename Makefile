@@ -56,6 +56,7 @@ quick: setup
 
 bench: setup
 	$(BIN)/tfdist bench overhead --json $(OUT)/bench_overhead.json
+	$(BIN)/tfdist bench pipeline --json $(OUT)/bench_pipeline.json --png $(OUT)/bench_pipeline.png
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
