@@ -26,8 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench_pipeline.png", help="timeline picture, one row per stage")
 
 
-def _intervals(xspace_path: str, device_of: dict[str, set[str]]) -> dict[str, list[tuple[float, float]]]:
-    """Op execution intervals (ms, absolute) per device from one profiler trace."""
+def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool = True
+               ) -> dict[str, list[tuple[float, float]]]:
+    """Op execution intervals (ms, absolute) per device from one profiler trace.
+
+    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
+    count; if TF named them otherwise, every executed node is used instead."""
     from tfdist import compat
 
     space = compat.xspace_proto()()
@@ -42,11 +46,16 @@ def _intervals(xspace_path: str, device_of: dict[str, set[str]]) -> dict[str, li
                 name = plane.event_metadata[event.metadata_id].name
                 if ":" not in name:
                     continue  # executor bookkeeping, not an op
-                devices = device_of.get(name.split(":")[0])
+                node = name.split(":")[0]
+                if step_only and not node.startswith("StatefulPartitionedCall/"):
+                    continue  # the input pipeline and loop bookkeeping, not the training step
+                devices = device_of.get(node)
                 if not devices or len(devices) != 1:
-                    continue  # not in the step function, or a name used on several devices
+                    continue  # not an executed node, or a name used on several devices
                 start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
                 out.setdefault(next(iter(devices)), []).append((start, start + event.duration_ps / 1e9))
+    if step_only and not out:
+        return _intervals(xspace_path, device_of, step_only=False)
     return out
 
 
@@ -174,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
     devices = tfdist.devices.virtual_cpus(args.stages)[: args.stages]
-    data = tfdist.data.mnist(global_batch_size=args.batch_size)
+    data = tfdist.data.mnist(global_batch_size=args.batch_size, shuffle=False)
     k = args.stages
     print(f"{'M':>3s} {'step ms':>8s} " + " ".join(f"{'busy s' + str(i):>9s}" for i in range(k))
           + f" {'efficiency':>10s} {'ideal':>6s} {'ratio':>6s}")
