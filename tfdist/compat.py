@@ -211,3 +211,8 @@ def xspace_proto():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     return xplane_pb2.XSpace
+
+
+def variable_strategy(variable):
+    """The tf.distribute strategy a (distributed) variable was created in, or None."""
+    return getattr(variable, "_distribute_strategy", None)

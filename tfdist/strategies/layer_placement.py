@@ -239,7 +239,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
 
     def _move(self, kv, devices: list[str], moved: dict) -> None:
         old = kv.value
-        if getattr(old, "_distribute_strategy", None) is not self:
+        if compat.variable_strategy(old) is not self:
             raise ConfigError(f"variable {kv.path!r} was not created inside this strategy's scope(); build the "
                               "model (and compile it) inside `with strategy.scope():`.")
         if [canonical_device(v.device) for v in old.values] == [canonical_device(d) for d in devices]:
