@@ -75,6 +75,7 @@ quick: setup
 
 bench: setup
 	$(BIN)/tfdist bench overhead --json $(OUT)/bench_overhead.json
+	$(BIN)/tfdist bench pipeline --json $(OUT)/bench_pipeline.json --png $(OUT)/bench_pipeline.png
 
 # The SLURM tests alone (issue 7): a real slurmctld + two slurmd in network namespaces; root only.
 test-slurm: setup system-deps

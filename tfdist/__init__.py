@@ -26,10 +26,12 @@ __version__ = "0.1.0"
 # public name -> module that defines it (a module name maps to itself)
 _LAZY = {
     "MirroredStrategy": "tfdist.strategies.mirrored",
+    "HorovodStrategy": "tfdist.strategies.horovod",
+    "LayerPlacementStrategy": "tfdist.strategies.layer_placement",
     "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
     "auto_strategy": "tfdist.strategies.auto",
     "cluster": "tfdist.cluster",
-    "HorovodStrategy": "tfdist.strategies.horovod",
+    "placement": "tfdist.placement",
     "compat": "tfdist.compat",
     "data": "tfdist.data",
     "devices": "tfdist.devices",

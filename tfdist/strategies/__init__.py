@@ -3,7 +3,8 @@
 from tfdist.strategies.factory import make_strategy, register, strategy_names
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.horovod import HorovodStrategy  # Horovod itself is imported only when one is built
+from tfdist.strategies.layer_placement import LayerPlacementStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
-__all__ = ["HorovodStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "make_strategy", "register",
-           "strategy_names"]
+__all__ = ["HorovodStrategy", "LayerPlacementStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
+           "make_strategy", "register", "strategy_names"]

@@ -74,9 +74,29 @@ def _horovod(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     from tfdist.strategies.horovod import HorovodStrategy
 
     return HorovodStrategy(local_devices=local_replica_devices(replicas), **options)
+
+
 @register("multiworker")
 def _multiworker(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     # N processes from TF_CONFIG (e.g. `tfdist launch -n N`); `replicas` = local devices per worker.
     from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 
     return MultiWorkerMirroredStrategy(local_devices=replicas, **options)
+
+
+@register("placement")
+def _placement(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # Layer placement: `replicas` devices become the stages of one pipeline ("auto" balance),
+    # unless options say otherwise (placement=, balance=, micro_batches=, data_parallel=).
+    from tfdist.devices import local_devices
+    from tfdist.errors import InitOrderError
+    from tfdist.strategies.layer_placement import LayerPlacementStrategy
+
+    try:
+        devices = local_replica_devices(replicas)
+    except InitOrderError:  # TF already started with more logical devices: use the first ones
+        available = local_devices()
+        if replicas is None or replicas > len(available):
+            raise
+        devices = available[:replicas]
+    return LayerPlacementStrategy(devices=devices, **options)

@@ -1,0 +1,211 @@
+"""`tfdist bench pipeline`: per-stage busy time of a K-stage GPipe step vs the ideal M/(M+K-1)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import statistics
+import tempfile
+
+NAME = "pipeline"
+HELP = "per-stage busy time per training step for micro_batches M, measured from TF's profiler"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages K (logical CPUs on a CPU machine)")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="values of M")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps per M (median reported)")
+    p.add_argument("--intra-op-threads", type=int, default=1,
+                   help="threads per op (1: each stage behaves like one core; 0: TF's default)")
+    p.add_argument("--balance", default="time", choices=("params", "flops", "time"))
+    p.add_argument("--model", default="mlp", choices=("mlp", "cnn"),
+                   help="mlp: 4 equal Dense(1024) blocks, which K stages can share evenly; cnn: "
+                        "tfdist.models.cnn, whose conv2 alone outweighs the rest (bounded by imbalance)")
+    p.add_argument("--json", default="bench_pipeline.json")
+    p.add_argument("--png", default="bench_pipeline.png", help="timeline picture, one row per stage")
+
+
+def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool = True
+               ) -> dict[str, list[tuple[float, float]]]:
+    """Op execution intervals (ms, absolute) per device from one profiler trace.
+
+    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
+    count; if TF named them otherwise, every executed node is used instead."""
+    from tfdist import compat
+
+    space = compat.xspace_proto()()
+    with open(xspace_path, "rb") as f:
+        space.ParseFromString(f.read())
+    out: dict[str, list[tuple[float, float]]] = {}
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if ":" not in name:
+                    continue  # executor bookkeeping, not an op
+                node = name.split(":")[0]
+                if step_only and not node.startswith("StatefulPartitionedCall/"):
+                    continue  # the input pipeline and loop bookkeeping, not the training step
+                devices = device_of.get(node)
+                if not devices or len(devices) != 1:
+                    continue  # not an executed node, or a name used on several devices
+                start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
+                out.setdefault(next(iter(devices)), []).append((start, start + event.duration_ps / 1e9))
+    if step_only and not out:
+        return _intervals(xspace_path, device_of, step_only=False)
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _model(kind: str, input_shape, num_classes: int):
+    import keras
+
+    import tfdist
+
+    if kind == "cnn":
+        return tfdist.models.cnn(input_shape, num_classes, seed=0)
+    init = lambda i: keras.initializers.GlorotUniform(seed=i)  # noqa: E731
+    layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
+    layers += [keras.layers.Dense(1024, activation="relu", kernel_initializer=init(i), name=f"dense{i}")
+               for i in range(4)]
+    layers.append(keras.layers.Dense(num_classes, activation="softmax", kernel_initializer=init(9), name="logits"))
+    return keras.Sequential(layers, name="mlp")
+
+
+def _measure(micro_batches: int, args, data, devices):
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist import compat
+
+    strategy = tfdist.LayerPlacementStrategy(devices, micro_batches=micro_batches, balance=args.balance)
+    with strategy.scope():
+        model = _model(args.model, data.arrays.input_shape, data.arrays.num_classes)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    train = data.train.repeat()
+    fit = lambda steps: model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)  # noqa: E731
+    device_of = compat.executed_partition_devices(lambda: fit(1))  # TF's placement of every node
+    fit(3)
+    steps = []
+    for _ in range(args.steps):
+        logdir = tempfile.mkdtemp(prefix="tfdist-pipeline-")
+        tf.profiler.experimental.start(logdir)
+        fit(1)
+        tf.profiler.experimental.stop()
+        per_device = _intervals(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], device_of)
+        names = sorted(per_device)
+        begin = min(a for v in per_device.values() for a, _ in v)
+        end = max(b for v in per_device.values() for _, b in v)
+        steps.append({
+            "makespan_ms": end - begin,
+            "busy_ms": {d: _union(per_device[d]) for d in names},
+            "intervals": {d: [(a - begin, b - begin) for a, b in per_device[d]] for d in names},
+        })
+    steps.sort(key=lambda s: s["makespan_ms"])
+    median = steps[len(steps) // 2]
+    return strategy.placement_plan(), steps, median
+
+
+def plot_timeline(results: list[dict], stages: int, path: str | None = None):
+    """One panel per M, one row per stage: when each stage's device was running ops."""
+    from tfdist.plots import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 1.3 + 1.1 * len(results)), sharex=True, squeeze=False)
+    colours = plt.get_cmap("tab10")
+    for ax, r in zip(axes[:, 0], results):
+        for row, device in enumerate(r["devices"]):
+            spans = [(a, b - a) for a, b in r["timeline"].get(device, [])]
+            ax.broken_barh(spans, (row - 0.4, 0.8), color=colours(row))
+        ax.set_yticks(range(stages), [f"stage {k}" for k in range(stages)])
+        ax.set_ylim(-0.6, stages - 0.4)
+        ax.invert_yaxis()
+        ax.set_title(f"M={r['micro_batches']}: step {r['makespan_ms']:.1f} ms, efficiency "
+                     f"{r['efficiency']:.2f} (GPipe ideal {r['ideal']:.2f})", fontsize=9)
+    axes[-1, 0].set_xlabel("ms since the step's first op")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=100)
+        print(f"wrote {path}")
+    return fig
+
+
+def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, steps: int = 5,
+                     balance: str = "time", model: str = "mlp") -> list[dict]:
+    """Profiles training steps of a len(devices)-stage pipeline for each M in `micro_batches`.
+
+    Per M: the median step (by makespan) with each stage's busy time (union of its ops' run
+    intervals in TF's profiler trace, ops mapped to devices by TF's executed partition graphs),
+    efficiency = sum(busy) / (stages x makespan), the GPipe ideal M/(M+K-1), and the intervals.
+    """
+    import argparse
+
+    k = len(devices)
+    opts = argparse.Namespace(steps=steps, balance=balance, model=model)
+    results = []
+    for m in micro_batches:
+        plan, all_steps, median = _measure(m, opts, data, devices)
+        names = sorted(median["busy_ms"], key=lambda d: int(d.rsplit(":", 1)[-1]))
+        busy = [median["busy_ms"].get(d, 0.0) for d in names]
+        efficiency = sum(busy) / (k * median["makespan_ms"])
+        ideal = m / (m + k - 1)
+        results.append({
+            "micro_batches": m, "makespan_ms": median["makespan_ms"],
+            "makespan_ms_all": [s["makespan_ms"] for s in all_steps],
+            "busy_ms": dict(zip(names, busy)), "efficiency": efficiency, "ideal": ideal,
+            "ratio_to_ideal": efficiency / ideal, "devices": names, "timeline": median["intervals"],
+            "stage_of": plan.stage_of,
+        })
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.bench.common import machine, write_json
+    from tfdist.errors import ConfigError
+
+    if args.stages < 1 or any(m < 1 for m in args.micro_batches):
+        raise ConfigError("--stages and --micro-batches must be >= 1.")
+    if args.intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    devices = tfdist.devices.virtual_cpus(args.stages)[: args.stages]
+    data = tfdist.data.mnist(global_batch_size=args.batch_size, shuffle=False)
+    k = args.stages
+    print(f"{'M':>3s} {'step ms':>8s} " + " ".join(f"{'busy s' + str(i):>9s}" for i in range(k))
+          + f" {'efficiency':>10s} {'ideal':>6s} {'ratio':>6s}")
+    results = measure_pipeline(args.micro_batches, devices, data, steps=args.steps, balance=args.balance,
+                               model=args.model)
+    for r in results:
+        busy = list(r["busy_ms"].values())
+        print(f"{r['micro_batches']:3d} {r['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
+              + f" {r['efficiency']:10.3f} {r['ideal']:6.3f} {r['ratio_to_ideal']:6.3f}")
+    last = next((r for r in results if r["micro_batches"] == 8), results[-1])
+    verdict = "PASS" if last["ratio_to_ideal"] >= 0.9 else "MISS"
+    print(f"M={last['micro_batches']}: efficiency / ideal = {last['ratio_to_ideal']:.3f} (target >= 0.9): {verdict}")
+    print(f"step time M=1 -> M={last['micro_batches']}: {results[0]['makespan_ms']:.2f} -> "
+          f"{last['makespan_ms']:.2f} ms (median of {args.steps})")
+    if args.png:
+        plot_timeline(results, k, args.png)
+    write_json(args.json, {
+        "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
+        "intra_op_threads": args.intra_op_threads, "balance": args.balance, "model": args.model,
+        "dataset": "mnist", "efficiency_definition": "sum of stage busy time / (stages x step makespan); "
+        "busy = union of op intervals on the stage's device from TF's profiler",
+        "results": [{k2: v for k2, v in r.items() if k2 != "timeline"} for r in results],
+        "target_ratio_min": 0.9, "verdict": verdict, "machine": machine(),
+    })
+    return 0

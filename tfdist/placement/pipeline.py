@@ -1,0 +1,89 @@
+"""GPipe micro-batching: a model's call runs as M independent micro-batch chains, then concatenates."""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from tfdist.errors import ConfigError
+
+__all__ = ["pipeline_model_call", "split_batch"]
+
+_ORIGINAL = "_tfdist_original_model_call"
+
+
+def split_batch(x: tf.Tensor, micro_batches: int) -> tuple[list[tf.Tensor], tf.Tensor | None]:
+    """Splits `x` along axis 0 into `micro_batches` equal parts; returns (parts, true size or None).
+
+    A batch whose size is known when tracing must divide evenly (ConfigError otherwise). A batch
+    of unknown size (the usual tf.data case, where an epoch's last batch can be smaller) is padded
+    with zeros to a multiple of `micro_batches` at run time, and the true size is returned so the
+    caller can drop the padded rows from the outputs: they then get no gradient, and the loss
+    and every weight gradient are those of the real samples. (Uneven or empty micro-batches are
+    avoided on purpose: oneDNN convolutions failed on them here, "input depth must be evenly
+    divisible by filter depth".)
+    """
+    size = x.shape[0]
+    if size is not None:
+        if size % micro_batches:
+            raise ConfigError(f"micro_batches={micro_batches} does not divide the per-replica batch of {size}; "
+                              f"use a batch size that is a multiple of {micro_batches} per replica.")
+        return tf.split(x, micro_batches, axis=0), None
+    n = tf.shape(x)[0]
+    padded = (n + micro_batches - 1) // micro_batches * micro_batches
+    pad = tf.zeros(tf.concat([[padded - n], tf.shape(x)[1:]], axis=0), dtype=x.dtype)
+    return tf.split(tf.concat([x, pad], axis=0), micro_batches, axis=0), n
+
+
+def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
+    """Wraps `model.call` so a traced call runs the model once per micro-batch and concatenates.
+
+    The M chains share no tensors until the final concat, so TensorFlow's dataflow executor runs
+    micro-batch m on stage k while micro-batch m+1 is on stage k-1: the GPipe schedule (all
+    forwards pipelined, then all backwards, since the loss needs every output). Each layer's
+    weight gradient is the sum of its M micro-batch gradients, i.e. the gradient of the whole
+    batch (up to float summation order).
+
+    BatchNormalization under micro-batches (as in GPipe): in training each micro-batch is
+    normalised with its own statistics, and the moving mean/variance are updated once per
+    micro-batch (M momentum steps per training step), so results differ from a non-pipelined step
+    unless the model has no batch-dependent layers. Inference uses the moving statistics and is
+    unaffected. (torchgpipe's DeferredBatchNorm, which accumulates statistics over the whole
+    batch, is not implemented.)
+    """
+    if micro_batches == 1:
+        return
+    original = getattr(model, _ORIGINAL, None) or model.call
+
+    @functools.wraps(original)
+    def call(inputs, *args, **kwargs):
+        flat = tf.nest.flatten(inputs)
+        if (any(isinstance(t, keras.KerasTensor) for t in flat) or tf.executing_eagerly()
+                or not tf.inside_function()):
+            return original(inputs, *args, **kwargs)
+        splits = [split_batch(tf.convert_to_tensor(t), micro_batches) for t in flat]
+        parts, size = [p for p, _ in splits], splits[0][1]
+        mask = kwargs.get("mask")
+        masks = None
+        if mask is not None:
+            masks = [split_batch(m, micro_batches)[0] if tf.is_tensor(m) else [m] * micro_batches
+                     for m in tf.nest.flatten(mask)]
+        outputs = []
+        for m in range(micro_batches):
+            chunk = tf.nest.pack_sequence_as(inputs, [p[m] for p in parts])
+            kw = dict(kwargs)
+            if masks is not None:
+                kw["mask"] = tf.nest.pack_sequence_as(mask, [ms[m] for ms in masks])
+            with tf.name_scope(f"micro_batch_{m}"):
+                outputs.append(original(chunk, *args, **kw))
+
+        def gather(*xs):
+            joined = tf.concat(xs, axis=0)
+            return joined if size is None else joined[:size]
+
+        return tf.nest.map_structure(gather, *outputs)
+
+    setattr(model, _ORIGINAL, original)
+    model.call = call

@@ -1,0 +1,255 @@
+"""tfdist.LayerPlacementStrategy: model parallelism by layers, GPipe micro-batches, data x model."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.devices import resolve_devices
+from tfdist.errors import ConfigError
+from tfdist.placement.device_scope import canonical_device, colocate_with_inputs, place_layer_call
+from tfdist.placement.pipeline import pipeline_model_call
+from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
+
+__all__ = ["LayerPlacementStrategy"]
+
+
+class _PlacementExtended(compat.mirrored_extended_class()):
+    """MirroredExtended whose replicas each span a pipeline of devices.
+
+    A replica's "device" (where its step starts, and its data arrives) is its first stage; a
+    variable is mirrored over one device per replica: its layer's stage in every pipeline.
+    """
+
+    def __init__(self, container, devices, cross_device_ops):
+        super().__init__(container, devices=devices, cross_device_ops=cross_device_ops)
+        self._target_devices: list[str] | None = None  # set while (re)creating a stage's variables
+        self._colocated: dict[int, tuple] = {}           # id(slot var) -> (slot var, reference var)
+
+    def _create_variable(self, next_creator, **kwargs):
+        reference = kwargs.get("colocate_with")
+        if reference is None and self._target_devices is not None:
+            kwargs["colocate_with"] = compat.DeviceGroup(self._target_devices)
+        var = super()._create_variable(next_creator, **kwargs)
+        if reference is not None:  # an optimizer slot: remember its variable, to follow it if it moves
+            self._colocated[id(var)] = (var, reference)
+        return var
+
+
+class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
+    """Splits a Keras model by layers over devices (pipeline stages), for the ordinary Keras path.
+
+    Each layer's variables live on its stage's device, its forward and backward ops run there,
+    its optimizer slots sit next to its variables, and tensors crossing stages are copied
+    explicitly. `micro_batches=M` pipelines each batch GPipe-style; `data_parallel=D` runs D such
+    pipelines over D x K devices (replica r uses devices[r*K:(r+1)*K]) and sums gradients across
+    them per stage. A `.keras` file saved from a placed model loads anywhere, on one device.
+
+    Build the model inside `scope()`. It is placed on its first fit/evaluate/predict step (or
+    by `strategy.place(model)`, e.g. to look at the plan first); placing moves its variables and
+    any optimizer slots already built, so it works after `compile`.
+
+    Args:
+        devices: device names, or None for all local devices (GPUs, else logical CPUs).
+        placement: "auto" (balanced contiguous stages), a list of K-1 layer names where stages
+            2..K start, {layer_name: stage} (unnamed layers join the previous layer's stage), or
+            {stage: [layer names]}.
+        balance: what "auto" balances: "params", "flops" (estimated) or "time" (measured).
+        micro_batches: GPipe micro-batches per step (must divide the per-replica batch).
+        data_parallel: number of pipeline replicas D; len(devices) must be a multiple of D.
+
+    Example:
+        >>> import keras, numpy as np, tfdist
+        >>> tfdist.devices.virtual_cpus(4)
+        >>> strategy = tfdist.LayerPlacementStrategy(["/cpu:0", "/cpu:1"], micro_batches=4)
+        >>> with strategy.scope():
+        ...     model = tfdist.models.cnn()
+        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> print(strategy.place(model))              # the plan: layer -> stage/device
+        >>> model.fit(np.random.rand(64, 28, 28, 1), np.arange(64) % 10, batch_size=32)
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        placement: str | Sequence[str] | Mapping = "auto",
+        balance: str = "params",
+        micro_batches: int = 1,
+        data_parallel: int = 1,
+    ):
+        for name, value in (("micro_batches", micro_batches), ("data_parallel", data_parallel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}.")
+        if balance not in BALANCE_BY:
+            raise ConfigError(f"balance must be one of {list(BALANCE_BY)}, got {balance!r}.")
+        if isinstance(placement, str) and placement != "auto":
+            raise ConfigError(f"placement must be 'auto', a list of split layer names, or a dict; got {placement!r}.")
+        resolved = resolve_devices(devices)
+        if len(resolved) % data_parallel:
+            raise ConfigError(f"data_parallel={data_parallel} does not divide the {len(resolved)} devices "
+                              f"{resolved}; pass data_parallel x stages devices.")
+        stages = len(resolved) // data_parallel
+        self._grid = [resolved[r * stages:(r + 1) * stages] for r in range(data_parallel)]
+        self._placement = placement
+        self._balance = balance
+        self._micro_batches = micro_batches
+        self._plans: dict[int, tuple[weakref.ref, StagePlan]] = {}
+        self._last_plan: StagePlan | None = None
+        self._collective_key_base = compat.fresh_collective_key_base()
+        # ReductionToOneDevice reduces each gradient on the first device its destination lives
+        # on, i.e. per stage: stage k's gradients are summed on replica 0's stage-k device and
+        # copied to the other replicas' stage-k devices (never through stage 0).
+        extended = _PlacementExtended(self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice())
+        compat.init_strategy(self, extended)
+
+    # --- public ---------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self._grid[0])
+
+    @property
+    def stage_devices(self) -> list[list[str]]:
+        """devices[replica][stage]."""
+        return [list(row) for row in self._grid]
+
+    def placement_plan(self, model: keras.Model | None = None) -> StagePlan:
+        """The stage plan of `model` (placing it if needed), or of the last model placed.
+
+        `print(strategy.placement_plan())` shows layer -> stage/device with parameters,
+        estimated FLOPs and activation bytes per sample, and each stage's totals.
+        """
+        if model is not None:
+            return self.place(model)
+        if self._last_plan is None:
+            raise ConfigError("no model has been placed yet: build it inside strategy.scope() and train it, "
+                              "or call strategy.placement_plan(model) / strategy.place(model).")
+        return self._last_plan
+
+    def place(self, model: keras.Model) -> StagePlan:
+        """Places a model built inside `scope()` on the stages and returns its plan (idempotent)."""
+        entry = self._plans.get(id(model))
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+        if not isinstance(model, keras.Model):
+            raise ConfigError(f"place() needs a Keras model, got {type(model).__name__}.")
+        if not model.built:
+            raise ConfigError(f"model {model.name!r} is not built; give it a keras.Input (or call build()) "
+                              "inside strategy.scope() before placing it.")
+        try:
+            graph = compat.model_graph(model)
+        except TypeError as err:
+            raise ConfigError(f"cannot place model {model.name!r}: {err}.") from None
+        with tf.init_scope():  # may be called while Keras traces its first step
+            infos = describe_model(model)
+            if self._balance == "time" and self._placement == "auto":
+                self._measure(graph, infos)
+            plan = make_plan(infos, self._placement, self._grid, balance=self._balance,
+                             micro_batches=self._micro_batches)
+            with self.scope():
+                self._move_variables(model, graph, plan)
+        for layer, *_ in graph:
+            stage = plan.stage_of[layer.name]
+            place_layer_call(layer, functools.partial(self._device, stage))
+        pipeline_model_call(model, self._micro_batches)
+        self._plans[id(model)] = (weakref.ref(model), plan)
+        self._last_plan = plan
+        return plan
+
+    # --- tf.distribute hooks ----------------------------------------------------------------
+    def run(self, fn, args=(), kwargs=None, options=None):
+        model = compat.keras_model_of_step(fn)
+        if model is not None:
+            self.place(model)
+        return super().run(self._in_pipeline(fn), args=args, kwargs=kwargs, options=options)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        self._check_batch(compat.dataset_batch_size(dataset))
+        return super().experimental_distribute_dataset(dataset, options)
+
+    # --- internals --------------------------------------------------------------------------
+    def _replica(self) -> int:
+        if len(self._grid) == 1:
+            return 0
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return 0
+        value = tf.get_static_value(ctx.replica_id_in_sync_group)
+        return int(value) if value is not None else 0
+
+    def _device(self, stage: int) -> str:
+        return self._grid[self._replica()][stage]
+
+    def _in_pipeline(self, fn):
+        @functools.wraps(fn)
+        def replica_fn(*args, **kwargs):
+            if not tf.inside_function():
+                return fn(*args, **kwargs)
+            # Ops built outside any layer (loss, metrics, gradient sums over micro-batches)
+            # follow their inputs instead of defaulting to the replica's first device.
+            with tf.compat.v1.device(colocate_with_inputs(self._device(0))):
+                return fn(*args, **kwargs)
+
+        return replica_fn
+
+    def _check_batch(self, batch: int | None) -> None:
+        if batch is None or self._micro_batches == 1:
+            return
+        replicas = len(self._grid)
+        if batch % (replicas * self._micro_batches):
+            raise ConfigError(
+                f"micro_batches={self._micro_batches} does not divide the batch: a batch of {batch} gives "
+                f"{batch / replicas:g} samples per pipeline replica ({replicas}), which must split into "
+                f"{self._micro_batches} equal micro-batches. Use a batch size that is a multiple of "
+                f"{replicas * self._micro_batches}.")
+
+    def _measure(self, graph, infos) -> None:
+        from tfdist.placement.balance import measure_layer_times
+
+        layers = [layer for layer, *_ in graph]
+        saved = [[v.numpy() for v in layer.variables] for layer in layers]  # BN stats, RNG seeds
+        with tf.device(self._grid[0][0]):
+            times = measure_layer_times(layers, [info.input_shapes for info in infos])
+        for layer, values in zip(layers, saved):
+            for v, value in zip(layer.variables, values):
+                v.assign(value)
+        for info, seconds in zip(infos, times):
+            info.seconds = seconds
+
+    def _move_variables(self, model, graph, plan: StagePlan) -> None:
+        moved: dict[int, list[str]] = {}  # id(old tf variable) -> devices it moved to
+        done: set[int] = set()
+        for layer, *_ in graph:
+            devices = [row[plan.stage_of[layer.name]] for row in self._grid]
+            for kv in layer.variables:
+                if id(kv) not in done:
+                    done.add(id(kv))
+                    self._move(kv, devices, moved)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            for kv in optimizer.variables:
+                entry = self.extended._colocated.get(id(kv.value))
+                if entry is not None and entry[0] is kv.value and id(entry[1]) in moved:
+                    self._move(kv, moved[id(entry[1])], {})
+            compat.reindex_optimizer(optimizer)
+
+    def _move(self, kv, devices: list[str], moved: dict) -> None:
+        old = kv.value
+        if compat.variable_strategy(old) is not self:
+            raise ConfigError(f"variable {kv.path!r} was not created inside this strategy's scope(); build the "
+                              "model (and compile it) inside `with strategy.scope():`.")
+        if [canonical_device(v.device) for v in old.values] == [canonical_device(d) for d in devices]:
+            return
+        self.extended._target_devices = devices
+        try:
+            new = tf.Variable(old.values[0].read_value(), trainable=old.trainable, dtype=old.dtype,
+                              name=old.name.split(":")[0], aggregation=old.aggregation,
+                              synchronization=old.synchronization)
+        finally:
+            self.extended._target_devices = None
+        moved[id(old)] = devices
+        compat.swap_variable_value(kv, new)
