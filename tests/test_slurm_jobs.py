@@ -87,14 +87,14 @@ total = strategy.reduce("SUM", value, axis=None)
 from tfdist.cluster.preemption import collective_agreement
 agree = collective_agreement(strategy)
 stop = [agree(cluster.rank == 0), agree(False)]
-# the resumable (epoch-keyed) training data, sharded across the two workers for epoch 2
+# the epoch-keyed training data (tfdist.data.load's default), sharded across the two workers for epoch 2
 import numpy as np
 from tfdist.data.datasets import load
-data = load("digits", global_batch_size=64, num_replicas=2, resumable=True)
+data = load("digits", global_batch_size=64, num_replicas=2)
 data.order.epoch = 2
 seen = [int(i) for b in strategy.experimental_distribute_dataset(data.train)
         for i in strategy.experimental_local_results(b[1])[0].numpy()]
-labels = data.arrays.y_train[data.order.permutation(2)].tolist()
+labels = data.arrays.y_train[data.order.permutation(2, len(data.arrays.y_train))].tolist()
 print(json.dumps({"rank": cluster.rank, "sum": float(total), "replicas": strategy.num_replicas_in_sync,
                   "stop": stop, "labels_seen": seen, "labels_epoch": labels}))
 '
