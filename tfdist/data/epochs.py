@@ -5,9 +5,8 @@ that advances once per iteration *in this process*: a job restarted at epoch 3 g
 epoch 0 again, and its weights drift from an uninterrupted run. `EpochOrder` keys the order on an
 epoch counter instead: a `tf.Variable` read inside the pipeline (graph-native: no py_func, so the
 pipeline can be serialized and auto-sharded across workers, e.g. by MultiWorkerMirroredStrategy and
-HorovodStrategy), set by the
-order's Keras callback at the start of every epoch (Keras makes each epoch's iterator after
-`on_epoch_begin`, also after a restore). Without the callback the pipeline counts its own
+HorovodStrategy), set by the order's Keras callback at the start of every epoch (Keras makes each
+epoch's iterator after `on_epoch_begin`, also after a restore). Without the callback the pipeline counts its own
 iterations, so every epoch still gets a new order, as with `reshuffle_each_iteration=True`.
 
 Known limit: a tf.data service (`tf.data.experimental.service.distribute`) runs the pipeline with
