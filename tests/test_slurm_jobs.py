@@ -225,4 +225,5 @@ def test_multiworker_template(slurm, tmp_path):
 
 @pytest.mark.skipif(not strategy_registered("horovod"), reason="needs --strategy horovod (issue 4)")
 def test_horovod_template(slurm, tmp_path):
-    check_multi_node_run(slurm, tmp_path, "horovod.sbatch", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    check_multi_node_run(slurm, tmp_path, "horovod.sbatch",
+                         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")

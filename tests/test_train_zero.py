@@ -1,4 +1,4 @@
-"""`tfdist train --zero-stage`: passed to MirroredStrategy (same weights as plain data parallelism), refused elsewhere."""
+"""`tfdist train --zero-stage`: passed to MirroredStrategy (weights of plain data parallelism), refused elsewhere."""
 
 from __future__ import annotations
 

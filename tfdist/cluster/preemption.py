@@ -3,9 +3,9 @@
 `sbatch --signal=USR1@120` makes SLURM signal the job steps 120 s before the time limit (and
 `scancel --signal=USR1 JOB` does it by hand). `Preemption` is a Keras callback that wraps the
 backup callback (`tfdist.cluster.BackupAndRestore` by default: the chief writes, every worker
-restores; any callback with BackupAndRestore's protocol plugs in through `backup=`): at the next epoch end (or step, with `at="step"`) it stops training,
-makes sure the last *complete* epoch is saved and the checkpoint is not deleted, and the chief runs
-`scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
+restores; any callback with BackupAndRestore's protocol plugs in through `backup=`): at the next
+epoch end (or step, with `at="step"`) it stops training, makes sure the last *complete* epoch is
+saved and the checkpoint is not deleted, and the chief runs `scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
 from that epoch. Only whole epochs count: with `at="step"` the partial epoch is discarded and run
 again after the restart, so with an epoch-keyed data order (`tfdist.data.EpochOrder`, which
 `tfdist.data.load` uses for training data) the final weights equal those of an uninterrupted run.
