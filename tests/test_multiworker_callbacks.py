@@ -14,19 +14,20 @@ import tfdist
 NOT_CHIEF = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}})
 
 
-def _order(shuffle: tfdist.cluster.EpochShuffle, ds: tf.data.Dataset, epoch: int) -> list[int]:
+def _order(shuffle: tfdist.data.EpochOrder, ds: tf.data.Dataset, epoch: int) -> list[int]:
     shuffle.on_epoch_begin(epoch)
     return [int(v) for v in ds]
 
 
 def test_epoch_shuffle_order_depends_only_on_seed_and_epoch():
-    a = tfdist.cluster.EpochShuffle(seed=7)
+    assert tfdist.cluster.EpochShuffle is tfdist.data.EpochOrder  # issue 3's name: one implementation
+    a = tfdist.data.EpochOrder(seed=7)
     ds_a = a.apply(tf.data.Dataset.range(50))
     orders = [_order(a, ds_a, e) for e in range(3)]
     assert all(sorted(o) == list(range(50)) for o in orders)
     assert orders[0] != orders[1] != orders[2]
     # A fresh process resuming at epoch 2 (new object, no epochs before) sees epoch 2's order...
-    b = tfdist.cluster.EpochShuffle(seed=7)
+    b = tfdist.data.EpochOrder(seed=7)
     assert _order(b, b.apply(tf.data.Dataset.range(50)), 2) == orders[2]
     # ...which plain tf.data reshuffling does not give: a restarted process replays epoch 0's order.
     old = tf.data.Dataset.range(50).shuffle(50, seed=7)
@@ -73,3 +74,14 @@ def test_non_chief_writes_no_backup_and_no_checkpoint(tmp_path, monkeypatch):
     ckpt = tfdist.cluster.ModelCheckpoint(str(tmp_path / "m.keras"))
     _model().fit(x, y, epochs=1, verbose=0, callbacks=[ckpt])
     assert os.listdir(tmp_path) == ["m.keras"]
+
+
+def test_epoch_order_apply_matches_the_array_order_and_blocks_stay_complete():
+    order = tfdist.data.EpochOrder(seed=5)
+    ds = order.apply(tf.data.Dataset.from_tensor_slices({"i": tf.range(40, dtype=tf.int64)}))
+    order.epoch = 3
+    assert [int(e["i"]) for e in ds] == order.permutation(3, 40).tolist()  # same order as order.dataset()
+    blocked = tfdist.data.EpochOrder(seed=5).apply(tf.data.Dataset.range(40), buffer_size=16)
+    seen = [int(v) for v in blocked]
+    assert [sorted(seen[i:i + 16]) for i in (0, 16, 32)] == [list(range(i, min(i + 16, 40))) for i in (0, 16, 32)]
+    assert seen != list(range(40))

@@ -84,3 +84,17 @@ def test_bench_allreduce_horovod_backend_compares_engines_side_by_side(tmp_path)
     ratio = record["ratios"]["strategy/horovod (mpi)"]["1"]
     assert ratio == pytest.approx(record["results"]["strategy-mpi"]["1"]["busbw_gbps"]
                                   / record["results"]["horovod-mpi"]["1"]["busbw_gbps"])
+
+
+def test_cli_launch_backend_horovod_runs_tfdist_train_end_to_end(tmp_path):
+    pytest.importorskip("horovod.tensorflow")
+    out = tmp_path / "out"
+    proc = subprocess.run([*TFDIST, "launch", "-n", "2", "--backend", "horovod", "--", *TFDIST, "train", "--strategy",
+                           "horovod", "--dataset", "digits", "--epochs", "2", "--verbose", "0",
+                           "--json", str(out / "run.json")], capture_output=True, text=True, env=ENV, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert os.listdir(out) == ["run.json"]  # the chief wrote it, once
+    record = json.loads((out / "run.json").read_text())
+    assert record["strategy"] == "horovod" and record["replicas"] == 2  # 2 processes through Gloo
+    digests = [line.split()[-1] for line in proc.stdout.splitlines() if "final weights sha256" in line]
+    assert len(digests) == 2 and digests[0] == digests[1], proc.stdout[-3000:]

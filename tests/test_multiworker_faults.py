@@ -37,7 +37,7 @@ TRAIN = textwrap.dedent('''
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
     y = (np.sin(x @ rng.normal(size=(8, 1)))).astype("float32")
-    order = tfdist.cluster.EpochShuffle(seed=3)  # epoch N's order depends on (seed, N) only
+    order = tfdist.data.EpochOrder(seed=3)  # epoch N's order depends on (seed, N) only
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     train = order.apply(tf.data.Dataset.from_tensor_slices((x, y))).batch(32).with_options(options)

@@ -10,7 +10,7 @@ import pytest
 
 import tfdist
 from tfdist.cluster.preemption import Preemption
-from tfdist.data.epochs import EpochOrder
+from tfdist.data import EpochOrder
 from tfdist.errors import ConfigError
 
 EPOCHS = 4
@@ -47,11 +47,11 @@ class SignalAt(keras.callbacks.Callback):
 
 def fit(backup_dir, *extra, at="epoch", requeues=None, is_chief=True):
     x, y = data()
-    order = EpochOrder(N, seed=3)
+    order = EpochOrder(seed=3)
     model = make_model()
     stop = Preemption(str(backup_dir), at=at, is_chief=is_chief,
                       requeue=(lambda: requeues.append(1)) if requeues is not None else True, environ={})
-    model.fit(order.dataset(x, y, BATCH), epochs=EPOCHS, verbose=0, callbacks=[order.callback(), stop, *extra])
+    model.fit(order.dataset(x, y, BATCH), epochs=EPOCHS, verbose=0, callbacks=[order, stop, *extra])
     return model, stop, order
 
 
@@ -60,15 +60,35 @@ def max_diff(a, b):
 
 
 def test_epoch_order_depends_only_on_seed_and_epoch():
-    order = EpochOrder(50, seed=7)
-    assert np.array_equal(order.permutation(3), EpochOrder(50, seed=7).permutation(3))
-    assert not np.array_equal(order.permutation(3), order.permutation(4))
-    assert sorted(order.permutation(2)) == list(range(50))
+    order = EpochOrder(seed=7)
+    assert np.array_equal(order.permutation(3, 50), EpochOrder(seed=7).permutation(3, 50))
+    assert not np.array_equal(order.permutation(3, 50), order.permutation(4, 50))
+    assert not np.array_equal(order.permutation(3, 50), EpochOrder(seed=8).permutation(3, 50))
+    assert sorted(order.permutation(2, 50)) == list(range(50))
     x, y = np.arange(50, dtype="float32")[:, None], np.arange(50)
     ds = order.dataset(x, y, 8)
     order.epoch = 5
     seen = np.concatenate([b[1].numpy() for b in ds])
-    assert np.array_equal(seen, order.permutation(5)) and len(ds) == 7
+    assert np.array_equal(seen, order.permutation(5, 50)) and len(ds) == 7
+    assert np.array_equal(np.concatenate([b[0].numpy()[:, 0] for b in ds]), order.permutation(6, 50))
+    # no callback: each iteration advances the epoch itself, so epochs still differ (like reshuffling)
+    assert order.epoch == 7
+    # TF's global seed does not enter: a process with another global seed draws the same order
+    import tensorflow as tf
+
+    tf.random.set_seed(1234)
+    fresh = EpochOrder(seed=7)
+    fresh.epoch = 5
+    assert np.array_equal(np.concatenate([b[1].numpy() for b in fresh.dataset(x, y, 8)]), seen)
+
+
+def test_load_trains_in_epoch_order_by_default():
+    data = tfdist.data.load("digits", global_batch_size=64)
+    assert isinstance(data.order, EpochOrder) and data.order.seed == 0
+    data.order.epoch = 2
+    labels = np.concatenate([b[1].numpy() for b in data.train])
+    assert np.array_equal(labels, data.arrays.y_train[data.order.permutation(2, len(labels))])
+    assert tfdist.data.load("digits", global_batch_size=64, shuffle=False).order is None
 
 
 # (mode, signal at (epoch, batch), last complete epoch): "epoch" finishes the epoch it was in; "step"
@@ -82,11 +102,11 @@ def test_interrupted_run_resumes_to_identical_weights(tmp_path, at, signal_at, d
     _, first, order1 = fit(tmp_path / "bk", SignalAt(*signal_at), at=at, requeues=requeues)
     assert first.preempted and first.requeued and requeues == [1]
     assert first.completed_epochs == list(range(done + 1))
-    assert (tmp_path / "bk" / "latest.weights.h5").exists()  # checkpoint kept for the restart
+    assert sorted(p.name for p in (tmp_path / "bk").iterdir()) == [f"epoch-{done + 1}"]  # kept for the restart
 
     resumed, second, order2 = fit(tmp_path / "bk")
     assert second.completed_epochs == list(range(done + 1, EPOCHS)) and not second.preempted
-    assert order2.epochs_drawn == list(range(done + 1, EPOCHS))  # the data order of the epochs it runs
+    assert order2.epochs_begun == list(range(done + 1, EPOCHS))  # the data order of the epochs it runs
     assert max_diff(reference, resumed) <= 1e-6
     assert not (tmp_path / "bk").exists()
 

@@ -8,6 +8,9 @@ import os
 import platform
 import time
 
+# Strategies whose builder takes zero_stage (tfdist.sharding); extend when another one gains it.
+ZERO_STRATEGIES = ("mirrored",)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the example CNN under a strategy",
@@ -21,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (split across replicas)")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="ZeRO: 1 shards optimizer state, 2 also gradients, across replicas "
+                        f"(strategies: {', '.join(ZERO_STRATEGIES)}; default 0)")
     p.add_argument("--plot", help="write training curves to this PNG")
     p.add_argument("--json", help="write a JSON record of the run to this file")
     p.add_argument("--save", help="save the trained model to this .keras file")
@@ -43,6 +49,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--dataset must be one of {list(DATASET_NAMES)}, got {args.dataset!r}.")
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {args.epochs}.")
+    if args.zero_stage and args.strategy not in ZERO_STRATEGIES:
+        raise ConfigError(f"--zero-stage {args.zero_stage} is supported by --strategy {' or '.join(ZERO_STRATEGIES)}"
+                          f", not {args.strategy!r}. Use one of those, or --zero-stage 0.")
     if args.save and not args.save.endswith(".keras"):
         raise ConfigError(f"--save must name a .keras file, got {args.save!r}.")
 
@@ -56,37 +65,42 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.callbacks import Throughput
     from tfdist.plots import plot_curves
 
-    strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas)
+    options = {"zero_stage": args.zero_stage} if args.zero_stage else {}
+    strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas, **options)
     keras.utils.set_random_seed(args.seed)  # after the strategy: multi-worker strategies must come first
     chief = tfdist.cluster.is_chief(strategy)  # only the chief prints progress and writes files
     replicas = strategy.num_replicas_in_sync
-    data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed,
-                            resumable=bool(args.backup_dir))
+    data = tfdist.data.load(args.dataset, global_batch_size=args.batch_size, strategy=strategy, seed=args.seed)
     arrays = data.arrays
     where = f" [rank {tfdist.cluster.rank(strategy)}]" if tfdist.cluster.world_size(strategy) > 1 else ""
     print(f"tfdist train{where}: {args.dataset} ({len(arrays.x_train)} train / {len(arrays.x_test)} test), "
           f"strategy={args.strategy}, replicas={replicas}, global batch={args.batch_size} "
-          f"({args.batch_size // replicas} per replica), epochs={args.epochs}", flush=True)
+          f"({args.batch_size // replicas} per replica), epochs={args.epochs}"
+          + (f", zero_stage={args.zero_stage}" if args.zero_stage else ""), flush=True)
 
     with strategy.scope():
         model = tfdist.models.cnn(arrays.input_shape, arrays.num_classes, seed=args.seed)
         model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     throughput = Throughput(len(arrays.x_train))
-    callbacks = [throughput]
-    if args.backup_dir:  # resumable run: epoch-keyed data order, checkpoint per epoch, preemption
+    callbacks = [throughput, data.order]  # epoch e's data order depends on (seed, e) only: resumable
+    if args.backup_dir:  # checkpoint per epoch (chief writes, every rank restores), stop on SIGUSR1/SIGTERM
+        from tfdist.cluster.chief import BackupAndRestore
         from tfdist.cluster.preemption import Preemption
 
-        preemption = Preemption(args.backup_dir, at=args.preempt_at)
-        callbacks += [data.order.callback(), preemption]
+        preemption = Preemption(backup=BackupAndRestore(args.backup_dir, strategy=strategy), at=args.preempt_at,
+                                is_chief=chief)
+        callbacks.append(preemption)
     start = time.perf_counter()
     history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
                         callbacks=callbacks, verbose=args.verbose if chief else 0)
     if args.backup_dir and preemption.preempted:
-        print(f"tfdist train: stopped by a signal after epochs {preemption.completed_epochs}; "
+        print(f"tfdist train{where}: stopped by a signal after epochs {preemption.completed_epochs}; "
               f"{'requeued' if preemption.requeued else 'not requeued'}", flush=True)
         return 0
     train_seconds = time.perf_counter() - start
+    # Every rank: a fingerprint of its final weights (only the chief writes files; compare these lines).
+    print(f"tfdist train{where}: final weights sha256 {weights_digest(model)}", flush=True)
     test_loss, test_accuracy = model.evaluate(data.test, verbose=0)
     print(f"test accuracy {test_accuracy:.4f}, test loss {test_loss:.4f}, "
           f"{throughput.images_per_sec:.0f} images/s, {train_seconds:.1f} s training", flush=True)
@@ -117,3 +131,13 @@ def run(args: argparse.Namespace) -> int:
         model.save(args.save)
         print(f"wrote {args.save}")
     return 0
+
+
+def weights_digest(model) -> str:
+    """First 16 hex digits of the sha256 of the model's weights (float bytes, in order): equal iff bitwise equal."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for w in model.get_weights():
+        digest.update(w.tobytes())
+    return digest.hexdigest()[:16]

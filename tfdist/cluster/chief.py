@@ -1,4 +1,4 @@
-"""Chief-aware Keras callbacks: backups and checkpoints written once, by the chief; resume with a fixed data order."""
+"""Chief-aware Keras callbacks: backups and checkpoints written once, by the chief, restored by every worker."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 import shutil
 
 import keras
-import tensorflow as tf
 
 from tfdist import compat
 from tfdist.cluster.rank import is_chief
+from tfdist.data.epochs import EpochOrder
 
 __all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle"]
 
@@ -28,13 +28,14 @@ class BackupAndRestore(keras.callbacks.Callback):
       `backup_dir/epoch-N` (written under a temporary name, then renamed), so a worker killed while
       saving leaves the previous backup intact;
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated.
-      With shuffled data, also use `EpochShuffle` so epoch N sees the same order as in an
-      uninterrupted run, and the result is bitwise the same.
+      With shuffled data, also use `tfdist.data.EpochOrder` (`tfdist.data.load(...).order`) so
+      epoch N sees the same order as in an uninterrupted run, and the result is bitwise the same.
 
     Args:
         backup_dir: directory for the backups (created by the chief).
         delete_on_success: remove `backup_dir` when `fit` finishes (the chief does).
-        strategy: the strategy, to decide who is chief (default: TF_CONFIG / launcher rank).
+        strategy: the strategy, to decide who is chief (default: the model's strategy, then the
+            TF_CONFIG / launcher rank; works for MultiWorkerMirroredStrategy and HorovodStrategy).
 
     Example:
         >>> backup = tfdist.cluster.BackupAndRestore("/shared/run1/backup")
@@ -49,6 +50,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_on_success = delete_on_success
         self._strategy = strategy
         self.restored_epoch: int | None = None
+
+    def _chief(self) -> bool:
+        strategy = self._strategy
+        if strategy is None and self.model is not None:
+            strategy = self.model.distribute_strategy
+        return is_chief(strategy)
 
     def latest(self) -> tuple[int, str] | None:
         """(epochs done, path) of the newest complete backup, or None."""
@@ -69,11 +76,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model.load_weights(os.path.join(path, "state.weights.h5"))
         compat.set_initial_epoch(self.model, epochs_done)
         self.restored_epoch = epochs_done
-        if is_chief(self._strategy):
+        if self._chief():
             print(f"tfdist: restored {path}; resuming at epoch {epochs_done + 1}", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
-        if not is_chief(self._strategy):
+        if not self._chief():
             return  # other workers hold the same state: one copy is enough
         os.makedirs(self.backup_dir, exist_ok=True)
         tmp = os.path.join(self.backup_dir, f".tmp-epoch-{epoch + 1}-{os.getpid()}")
@@ -91,7 +98,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_end(self, logs=None):
-        if self.delete_on_success and is_chief(self._strategy):
+        if self.delete_on_success and self._chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
 
@@ -140,50 +147,5 @@ for _name in _HOOKS:
     setattr(ModelCheckpoint, _name, _forward(_name))
 
 
-class EpochShuffle(keras.callbacks.Callback):
-    """Shuffles a dataset with a different but fixed order per epoch: epoch N's order depends only on (seed, N).
-
-    `tf.data`'s `shuffle(reshuffle_each_iteration=True)` draws each epoch's order from a generator
-    that restarts with the process, so a run resumed at epoch 3 would replay epoch 1's order. This
-    callback sets the epoch before each epoch's iterator is made, and `apply` keys the order on it,
-    which makes a resumed run see exactly the data of an uninterrupted one. Every worker computes the
-    same order, so per-worker shards stay disjoint.
-
-    Example:
-        >>> order = tfdist.cluster.EpochShuffle(seed=0)
-        >>> train = order.apply(tf.data.Dataset.from_tensor_slices((x, y))).batch(64)
-        >>> model.fit(train, epochs=5, callbacks=[order, tfdist.cluster.BackupAndRestore("backup")])
-    """
-
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        self.seed = int(seed)
-        self._epoch: tf.Variable | None = None
-
-    def _variable(self) -> tf.Variable:
-        if self._epoch is None:  # made on first use: creating it starts TensorFlow
-            with tf.init_scope():
-                self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfdist_epoch")
-        return self._epoch
-
-    def apply(self, dataset: tf.data.Dataset, buffer_size: int | None = None) -> tf.data.Dataset:
-        """`dataset` (unbatched) in a per-epoch order; `buffer_size` defaults to the whole dataset."""
-        epoch = self._variable()
-        size = int(dataset.cardinality())
-        if buffer_size is None:
-            if size < 0:
-                raise ValueError("EpochShuffle.apply: the dataset's size is unknown; pass buffer_size.")
-            buffer_size = size
-        seed = self.seed
-
-        def one_epoch(_):
-            return dataset.shuffle(buffer_size, seed=tf.constant(seed, tf.int64) * 1_000_003 + epoch.read_value(),
-                                   reshuffle_each_iteration=False)
-
-        shuffled = tf.data.Dataset.from_tensors(0).flat_map(one_epoch)
-        if size >= 0:
-            shuffled = shuffled.apply(tf.data.experimental.assert_cardinality(size))
-        return shuffled
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._variable().assign(epoch)
+# Issue 3's name for the per-epoch order; the one implementation lives in the data layer.
+EpochShuffle = EpochOrder

@@ -2,13 +2,13 @@
 
 `sbatch --signal=USR1@120` makes SLURM signal the job steps 120 s before the time limit (and
 `scancel --signal=USR1 JOB` does it by hand). `Preemption` is a Keras callback that wraps the
-backup callback (stock `keras.callbacks.BackupAndRestore` by default; issue 3's chief-aware one
-plugs in through `backup=`): at the next epoch end (or step, with `at="step"`) it stops training,
-makes sure the last *complete* epoch is saved and the checkpoint is not deleted, and the chief runs
-`scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
+backup callback (`tfdist.cluster.BackupAndRestore` by default: the chief writes, every worker
+restores; any callback with BackupAndRestore's protocol plugs in through `backup=`): at the next
+epoch end (or step, with `at="step"`) it stops training, makes sure the last *complete* epoch is
+saved and the checkpoint is not deleted, and the chief runs `scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
 from that epoch. Only whole epochs count: with `at="step"` the partial epoch is discarded and run
-again after the restart, so with an epoch-keyed data order (`tfdist.data.load(resumable=True)`)
-the final weights equal those of an uninterrupted run.
+again after the restart, so with an epoch-keyed data order (`tfdist.data.EpochOrder`, which
+`tfdist.data.load` uses for training data) the final weights equal those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 
 from tfdist import compat
+from tfdist.cluster.rank import rank, world_size
 from tfdist.errors import ConfigError
 
 __all__ = ["Preemption", "collective_agreement", "requeue_job"]
@@ -33,24 +34,26 @@ class Preemption(keras.callbacks.Callback):
     Pass it to `fit` instead of the backup callback it wraps (it forwards the backup's events).
 
     Args:
-        backup_dir: where the stock BackupAndRestore keeps its checkpoint (ignored when `backup` given).
+        backup_dir: where `tfdist.cluster.BackupAndRestore` keeps its checkpoint (ignored when `backup`
+            given); the chief of the model's strategy writes it, every worker restores from it.
         backup: a callback with BackupAndRestore's protocol (restores in on_train_begin, saves in
-            on_epoch_end, deletes in on_train_end), e.g. a chief-aware one for multi-worker runs.
+            on_epoch_end, deletes in on_train_end), e.g. `keras.callbacks.BackupAndRestore`.
         at: "epoch" (finish the current epoch, then stop) or "step" (stop after the current step and
             redo the unfinished epoch after the restart).
         signals: signals that stop training. requeue_signals: those that also requeue the job.
             SIGTERM is what `scancel` sends too, so by default it checkpoints but does not requeue.
         requeue: requeue with `scontrol requeue` (True), not at all (False), or call this function.
-        is_chief: whether this process requeues; default: SLURM_PROCID (or TF_CONFIG index) is 0.
+        is_chief: whether this process requeues; default: rank 0 of the model's strategy
+            (`tfdist.cluster.is_chief`: TF_CONFIG task, Horovod/MPI rank or SLURM_PROCID).
         agree: maps this worker's "signal seen" flag to the decision of all workers. Workers must
             stop at the same step or the others hang in the next all-reduce. Default: the local
-            flag for one process; `collective_agreement(strategy)` (an all-reduce of the flags)
-            when the model's strategy has a cluster resolver with several workers (TF multi-worker).
-            Other multi-process strategies (Horovod) pass their own.
+            flag for one process; `collective_agreement(strategy)` (an all-reduce of the flags
+            through the strategy, global for MultiWorkerMirroredStrategy and HorovodStrategy alike)
+            when the model's strategy spans several processes (`tfdist.cluster.world_size`).
 
     Example:
         >>> stop = tfdist.cluster.Preemption(backup_dir="ckpt")
-        >>> model.fit(data.train, epochs=10, callbacks=[stop, data.order.callback()])
+        >>> model.fit(data.train, epochs=10, callbacks=[stop, data.order])
         >>> if stop.preempted: sys.exit(0)     # requeued; the next run resumes from the checkpoint
     """
 
@@ -73,14 +76,16 @@ class Preemption(keras.callbacks.Callback):
         if backup is None:
             if not backup_dir:
                 raise ConfigError("Preemption needs backup_dir (a directory for the checkpoint) or backup=.")
-            backup = keras.callbacks.BackupAndRestore(backup_dir)
+            from tfdist.cluster.chief import BackupAndRestore
+
+            backup = BackupAndRestore(backup_dir)
         self.backup = backup
         self.at = at
         self.signals = tuple(signals)
         self.requeue_signals = tuple(requeue_signals)
         self._requeue = requeue
         self._env = os.environ if environ is None else environ
-        self.is_chief = _is_chief(self._env) if is_chief is None else is_chief
+        self._is_chief = is_chief
         self._agree = agree
         self.received: int | None = None  # the signal that arrived
         self.preempted = False  # fit stopped because of a signal
@@ -88,6 +93,11 @@ class Preemption(keras.callbacks.Callback):
         self.completed_epochs: list[int] = []
         self._mid_epoch = False
         self._previous: dict[int, object] = {}
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process requeues the job (decided when training starts, unless given)."""
+        return bool(self._is_chief) if self._is_chief is not None else _is_chief(None, self._env)
 
     # --- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -121,8 +131,11 @@ class Preemption(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._install()
-        if self._agree is None and _num_workers(self.model.distribute_strategy) > 1:
-            self._agree = collective_agreement(self.model.distribute_strategy)
+        strategy = self.model.distribute_strategy
+        if self._is_chief is None:
+            self._is_chief = _is_chief(strategy, self._env)
+        if self._agree is None and world_size(strategy, self._env) > 1:
+            self._agree = collective_agreement(strategy)
         self.backup.on_train_begin(logs)
         start = compat.keras_initial_epoch(self.model)
         if start:
@@ -191,14 +204,6 @@ def collective_agreement(strategy) -> Callable[[bool], bool]:
     return agree
 
 
-def _num_workers(strategy) -> int:
-    resolver = getattr(strategy, "cluster_resolver", None)  # public on multi-worker strategies
-    if resolver is None:
-        return 1
-    spec = resolver.cluster_spec().as_dict()
-    return len(spec.get("worker", [])) + len(spec.get("chief", []))
-
-
 def requeue_job(environ: Mapping[str, str] | None = None) -> None:
     """Runs `scontrol requeue $SLURM_JOB_ID` (the job must allow it: sbatch --requeue)."""
     env = os.environ if environ is None else environ
@@ -212,13 +217,5 @@ def requeue_job(environ: Mapping[str, str] | None = None) -> None:
     print(f"tfdist: requeued SLURM job {job}", flush=True)
 
 
-def _is_chief(env: Mapping[str, str]) -> bool:
-    if env.get("SLURM_PROCID") not in (None, ""):
-        return env["SLURM_PROCID"] == "0"
-    if env.get("TF_CONFIG"):
-        import json
-
-        task = json.loads(env["TF_CONFIG"]).get("task", {})
-        return task.get("type") == "chief" or (task.get("type") == "worker" and task.get("index", 0) == 0
-                                               and "chief" not in json.loads(env["TF_CONFIG"]).get("cluster", {}))
-    return True
+def _is_chief(strategy, env: Mapping[str, str]) -> bool:
+    return rank(strategy, env) == 0

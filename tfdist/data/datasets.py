@@ -41,8 +41,9 @@ class Datasets:
     test: tf.data.Dataset
     arrays: Arrays
     global_batch_size: int
-    # Set when load(..., resumable=True): pass `order.callback()` to fit (see tfdist.data.epochs).
-    order: "EpochOrder | None" = None
+    # The training data's per-epoch order (None when not shuffled): pass it to fit as a callback so a
+    # resumed run sees the epochs it missed (see tfdist.data.epochs).
+    order: EpochOrder | None = None
 
 
 def _stratified_split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -84,11 +85,12 @@ def load_arrays(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 
     return Arrays(name, *_stratified_split(x, y.astype("int32"), test_fraction, seed))
 
 
-def _pipeline(x: np.ndarray, y: np.ndarray, batch: int, shuffle_seed: int | None) -> tf.data.Dataset:
-    ds = tf.data.Dataset.from_tensor_slices((x, y))
-    if shuffle_seed is not None:
-        ds = ds.shuffle(len(x), seed=shuffle_seed, reshuffle_each_iteration=True)
-    ds = ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+def _pipeline(x: np.ndarray, y: np.ndarray, batch: int, order: EpochOrder | None) -> tf.data.Dataset:
+    if order is not None:
+        ds = order.dataset(x, y, batch)
+    else:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
     # In-memory data has no files to shard by: shard by elements across workers.
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -103,7 +105,6 @@ def load(
     strategy: tf.distribute.Strategy | None = None,
     shuffle: bool = True,
     seed: int = 0,
-    resumable: bool = False,
 ) -> Datasets:
     """Returns batched train/test pipelines of a shipped dataset for a given global batch.
 
@@ -111,26 +112,21 @@ def load(
     into `global_batch_size / replicas` per replica, and a global batch that does not divide evenly
     raises ConfigError. Pass `strategy` (or `num_replicas`) to have that checked here. The last batch
     of an epoch may be smaller (nothing is dropped; tf.distribute splits it as evenly as it can).
-    Training data is reshuffled every epoch from `seed`; test data keeps its order.
-    With `resumable=True` epoch e's order depends only on (seed, e) (`Datasets.order`, whose
-    callback must be passed to fit), so a run restored at epoch e trains on what it would have.
+    Training data is reshuffled every epoch; test data keeps its order. Epoch e's order depends only
+    on (seed, e) (`Datasets.order`, a `tfdist.data.EpochOrder`): pass `data.order` to fit as a callback
+    and a run restored at epoch e trains on what an uninterrupted run would have.
+
+    Example:
+        >>> data = tfdist.data.load("digits", global_batch_size=64, strategy=strategy)
+        >>> model.fit(data.train, epochs=5, callbacks=[data.order, tfdist.cluster.BackupAndRestore("bk")])
     """
     replicas = strategy.num_replicas_in_sync if strategy is not None else (num_replicas or 1)
     per_replica_batch_size(global_batch_size, replicas)
     arrays = load_arrays(name, seed=seed)
-    order = EpochOrder(len(arrays.x_train), seed) if resumable and shuffle else None
-    if order is not None:
-        train = order.dataset(arrays.x_train, arrays.y_train, global_batch_size).with_options(_shard_by_data())
-    else:
-        train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, seed if shuffle else None)
+    order = EpochOrder(seed) if shuffle else None
+    train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, order)
     test = _pipeline(arrays.x_test, arrays.y_test, global_batch_size, None)
     return Datasets(train, test, arrays, global_batch_size, order)
-
-
-def _shard_by_data() -> tf.data.Options:
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return options
 
 
 def mnist(**kwargs) -> Datasets:
