@@ -215,7 +215,11 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(results, k, args.png)
     write_json(args.json, {
         "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
-        "intra_op_threads": args.intra_op_threads, "balance": args.balance, "model": args.model,
+        "intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads or "tf default",
+        "stage_streams": args.stage_streams, "input": "one fixed in-memory batch (no input pipeline in the step)",
+        "emulation": "K logical CPU devices of one process; intra-op threads 1 so each op uses one core; "
+        "stage streams serialise each device's layer calls so each stage runs one op at a time, like one "
+        "device", "balance": args.balance, "model": args.model,
         "dataset": "mnist", "efficiency_definition": "sum of stage busy time / (stages x step makespan); "
         "busy = union of op intervals on the stage's device from TF's profiler",
         "results": [{k2: v for k2, v in r.items() if k2 != "timeline"} for r in results],
