@@ -113,3 +113,52 @@ def test_batch_norm_single_micro_batch_matches_and_documented_difference():
     # own statistics (documented in tfdist.placement.pipeline), so training differs measurably.
     micro = _train(bn_model, "branchy", tfdist.LayerPlacementStrategy(cpus(2), micro_batches=4))
     assert _max_diff(reference, micro) > 1e-4
+
+
+def test_stage_streams_order_micro_batches_per_device():
+    # GPipe's schedule as control edges in the traced step: on each device, micro-batch m's
+    # forward starts after m-1's (or after the previous layer of m), and m's backward after all
+    # of m-1's gradients there. Without them TF ran two micro-batches of one stage on both cores.
+    import re
+
+    import tensorflow as tf
+
+    strategy = tfdist.LayerPlacementStrategy(cpus(2), placement=["d2"], micro_batches=4)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, name=f"d{i}") for i in range(4)])
+    strategy.place(model)
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = grads.get_concrete_function(tf.TensorSpec([16, 8])).graph
+    micro_batch = lambda name: int(re.search(r"micro_batch_(\d+)/", name).group(1))  # noqa: E731
+    forward, backward = set(), set()
+    for op in graph.get_operations():
+        if not op.control_inputs or not op.device:
+            continue
+        device = op.device[-5:]
+        assert {c.device[-5:] for c in op.control_inputs} == {device}, op.name  # one stream per device
+        waits_for = {micro_batch(c.name) for c in op.control_inputs}
+        if "/to_stage/" in op.name:
+            m = micro_batch(op.name)
+            assert waits_for <= {m, m - 1}, op.name
+            forward.add((device, m))
+        elif "_backward" in op.name:
+            assert len(waits_for) == 1, op.name
+            backward.add((device, waits_for.pop()))
+    # Every micro-batch after the first waits on each device (stage 1 = CPU:1 runs d2, d3).
+    assert {m for d, m in forward if d == "CPU:0"} == {m for d, m in forward if d == "CPU:1"} == {0, 1, 2, 3}
+    assert backward == {(d, m) for d in ("CPU:0", "CPU:1") for m in (0, 1, 2)}
+    # And the streamed step still computes the plain gradient.
+    x = tf.random.stateless_normal([16, 8], seed=[1, 2])
+    for g, v in zip(grads(x), model.trainable_variables):
+        with tf.GradientTape() as tape:
+            h = x
+            for layer in model.layers:
+                h = h @ layer.kernel + layer.bias
+            loss = tf.reduce_sum(h)
+        np.testing.assert_allclose(g, tape.gradient(loss, v), atol=1e-5)

@@ -444,3 +444,9 @@ def xspace_proto():
 def variable_strategy(variable):
     """The tf.distribute strategy a (distributed) variable was created in, or None."""
     return getattr(variable, "_distribute_strategy", None)
+
+
+def add_control_inputs(op, control_ops) -> None:
+    """Makes graph `op` (already created) wait for `control_ops`. Used by the GPipe stage streams,
+    whose backward order is only known once the tape has traced later ops."""
+    op._add_control_inputs(list(control_ops))

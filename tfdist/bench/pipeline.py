@@ -18,6 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps per M (median reported)")
     p.add_argument("--intra-op-threads", type=int, default=1,
                    help="threads per op (1: each stage behaves like one core; 0: TF's default)")
+    p.add_argument("--inter-op-threads", type=int, default=0,
+                   help="threads running independent ops (0: TF's default)")
+    p.add_argument("--stage-streams", default="auto", choices=("auto", "on", "off"),
+                   help="one op stream per stage device (auto: on when M > 1); off shows the unpipelined "
+                        "schedule TF picks for logical CPUs sharing one thread pool")
     p.add_argument("--balance", default="time", choices=("params", "flops", "time"))
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"),
                    help="mlp: 4 equal Dense(1024) blocks, which K stages can share evenly; cnn: "
@@ -90,11 +95,17 @@ def _measure(micro_batches: int, args, data, devices):
     import tfdist
     from tfdist import compat
 
-    strategy = tfdist.LayerPlacementStrategy(devices, micro_batches=micro_batches, balance=args.balance)
+    streams = {"auto": None, "on": True, "off": False}[getattr(args, "stage_streams", "auto")]
+    strategy = tfdist.LayerPlacementStrategy(devices, micro_batches=micro_batches, balance=args.balance,
+                                             stage_streams=streams)
     with strategy.scope():
         model = _model(args.model, data.arrays.input_shape, data.arrays.num_classes)
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
-    train = data.train.repeat()
+    # One fixed batch, already in memory: the step is what is measured, and a Python-side input
+    # pipeline would take one of the two cores away from the stages while a step runs.
+    n = data.global_batch_size
+    x, y = data.arrays.x_train[:n], data.arrays.y_train[:n]
+    train = tf.data.Dataset.from_tensors((tf.constant(x), tf.constant(y))).repeat()
     fit = lambda steps: model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)  # noqa: E731
     device_of = compat.executed_partition_devices(lambda: fit(1))  # TF's placement of every node
     fit(3)
@@ -143,7 +154,7 @@ def plot_timeline(results: list[dict], stages: int, path: str | None = None):
 
 
 def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, steps: int = 5,
-                     balance: str = "time", model: str = "mlp") -> list[dict]:
+                     balance: str = "time", model: str = "mlp", stage_streams: str = "auto") -> list[dict]:
     """Profiles training steps of a len(devices)-stage pipeline for each M in `micro_batches`.
 
     Per M: the median step (by makespan) with each stage's busy time (union of its ops' run
@@ -153,7 +164,7 @@ def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, step
     import argparse
 
     k = len(devices)
-    opts = argparse.Namespace(steps=steps, balance=balance, model=model)
+    opts = argparse.Namespace(steps=steps, balance=balance, model=model, stage_streams=stage_streams)
     results = []
     for m in micro_batches:
         plan, all_steps, median = _measure(m, opts, data, devices)
@@ -182,13 +193,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--stages and --micro-batches must be >= 1.")
     if args.intra_op_threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    if args.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
     devices = tfdist.devices.virtual_cpus(args.stages)[: args.stages]
     data = tfdist.data.mnist(global_batch_size=args.batch_size, shuffle=False)
     k = args.stages
     print(f"{'M':>3s} {'step ms':>8s} " + " ".join(f"{'busy s' + str(i):>9s}" for i in range(k))
           + f" {'efficiency':>10s} {'ideal':>6s} {'ratio':>6s}")
     results = measure_pipeline(args.micro_batches, devices, data, steps=args.steps, balance=args.balance,
-                               model=args.model)
+                               model=args.model, stage_streams=args.stage_streams)
     for r in results:
         busy = list(r["busy_ms"].values())
         print(f"{r['micro_batches']:3d} {r['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
@@ -202,7 +215,11 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(results, k, args.png)
     write_json(args.json, {
         "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
-        "intra_op_threads": args.intra_op_threads, "balance": args.balance, "model": args.model,
+        "intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads or "tf default",
+        "stage_streams": args.stage_streams, "input": "one fixed in-memory batch (no input pipeline in the step)",
+        "emulation": "K logical CPU devices of one process; intra-op threads 1 so each op uses one core; "
+        "stage streams serialise each device's layer calls so each stage runs one op at a time, like one "
+        "device", "balance": args.balance, "model": args.model,
         "dataset": "mnist", "efficiency_definition": "sum of stage busy time / (stages x step makespan); "
         "busy = union of op intervals on the stage's device from TF's profiler",
         "results": [{k2: v for k2, v in r.items() if k2 != "timeline"} for r in results],

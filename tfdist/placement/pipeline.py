@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import keras
@@ -37,7 +38,7 @@ def split_batch(x: tf.Tensor, micro_batches: int) -> tuple[list[tf.Tensor], tf.T
     return tf.split(tf.concat([x, pad], axis=0), micro_batches, axis=0), n
 
 
-def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
+def pipeline_model_call(model: keras.Model, micro_batches: int, streams=None) -> None:
     """Wraps `model.call` so a traced call runs the model once per micro-batch and concatenates.
 
     The M chains share no tensors until the final concat, so TensorFlow's dataflow executor runs
@@ -50,7 +51,8 @@ def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
     normalised with its own statistics, and the moving mean/variance are updated once per
     micro-batch (M momentum steps per training step), so results differ from a non-pipelined step
     unless the model has no batch-dependent layers. Inference uses the moving statistics and is
-    unaffected. (torchgpipe's DeferredBatchNorm, which accumulates statistics over the whole
+    unaffected. `streams` (a `device_scope.StageStreams`) learns each layer call's micro-batch.
+    (torchgpipe's DeferredBatchNorm, which accumulates statistics over the whole
     batch, is not implemented.)
     """
     if micro_batches == 1:
@@ -76,7 +78,8 @@ def pipeline_model_call(model: keras.Model, micro_batches: int) -> None:
             kw = dict(kwargs)
             if masks is not None:
                 kw["mask"] = tf.nest.pack_sequence_as(mask, [ms[m] for ms in masks])
-            with tf.name_scope(f"micro_batch_{m}"):
+            with tf.name_scope(f"micro_batch_{m}"), (streams.micro_batch(m) if streams
+                                                      else contextlib.nullcontext()):
                 outputs.append(original(chunk, *args, **kw))
 
         def gather(*xs):

@@ -12,7 +12,8 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
-from tfdist.placement.device_scope import canonical_device, colocate_with_inputs, place_layer_call
+from tfdist.placement.device_scope import (StageStreams, canonical_device, colocate_with_inputs,
+                                           place_layer_call)
 from tfdist.placement.pipeline import pipeline_model_call
 from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 
@@ -61,6 +62,10 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
             {stage: [layer names]}.
         balance: what "auto" balances: "params", "flops" (estimated) or "time" (measured).
         micro_batches: GPipe micro-batches per step (must divide the per-replica batch).
+        stage_streams: run each device's layer calls one after another in trace order (one op
+            stream per device, like an accelerator; see `tfdist.placement.device_scope.StageStreams`).
+            None (default): on when micro_batches > 1, where without it logical CPU devices
+            sharing one thread pool do not pipeline.
         data_parallel: number of pipeline replicas D; len(devices) must be a multiple of D.
 
     Example:
@@ -81,6 +86,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         balance: str = "params",
         micro_batches: int = 1,
         data_parallel: int = 1,
+        stage_streams: bool | None = None,
     ):
         for name, value in (("micro_batches", micro_batches), ("data_parallel", data_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,6 +104,8 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         self._placement = placement
         self._balance = balance
         self._micro_batches = micro_batches
+        use_streams = micro_batches > 1 if stage_streams is None else bool(stage_streams)
+        self._streams = StageStreams() if use_streams else None
         self._plans: dict[int, tuple[weakref.ref, StagePlan]] = {}
         self._last_plan: StagePlan | None = None
         self._collective_key_base = compat.fresh_collective_key_base()
@@ -154,8 +162,8 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 self._move_variables(model, graph, plan)
         for layer, *_ in graph:
             stage = plan.stage_of[layer.name]
-            place_layer_call(layer, functools.partial(self._device, stage))
-        pipeline_model_call(model, self._micro_batches)
+            place_layer_call(layer, functools.partial(self._device, stage), self._streams)
+        pipeline_model_call(model, self._micro_batches, self._streams)
         self._plans[id(model)] = (weakref.ref(model), plan)
         self._last_plan = plan
         return plan
