@@ -207,16 +207,16 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tfdist.bench.allreduce_horovod", description=HELP)
+def _all_arguments(p: argparse.ArgumentParser) -> None:
     _base_arguments(p)
     add_arguments(p)
-    args = p.parse_args(argv)
-    if os.environ.get(_ROLE) == "worker":
-        _worker(args)
-    else:
-        run(args)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tfdist.bench.selflaunch import worker_or_driver_main
+
+    return worker_or_driver_main("python -m tfdist.bench.allreduce_horovod", HELP, _all_arguments, _ROLE,
+                                 _worker, run, argv)
 
 
 if __name__ == "__main__":

@@ -137,14 +137,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tfdist.bench.scaling", description=HELP)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    if os.environ.get(_ROLE) == "worker":
-        _worker(args)
-    else:
-        measure(args)
-    return 0
+    from tfdist.bench.selflaunch import worker_or_driver_main
+
+    return worker_or_driver_main("python -m tfdist.bench.scaling", HELP, add_arguments, _ROLE, _worker, measure, argv)
 
 
 if __name__ == "__main__":
