@@ -31,17 +31,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench_pipeline.png", help="timeline picture, one row per stage")
 
 
-def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool = True
-               ) -> dict[str, list[tuple[float, float]]]:
-    """Op execution intervals (ms, absolute) per device from one profiler trace.
-
-    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
-    count; if TF named them otherwise, every executed node is used instead."""
+def _read_space(xspace_path: str):
     from tfdist import compat
 
     space = compat.xspace_proto()()
     with open(xspace_path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def _step_windows(space) -> list[tuple[float, float]]:
+    """(start, end) in ms of each execution of Keras' compiled train step in one trace, in order."""
+    windows = []
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if name.startswith("EagerLocalExecute: __inference_") and "step_on_" in name:
+                    start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
+                    windows.append((start, start + event.duration_ps / 1e9))
+    return sorted(windows)
+
+
+def _intervals(space, device_of: dict[str, set[str]], step_only: bool = True
+               ) -> dict[str, list[tuple[float, float]]]:
+    """Op execution intervals (ms, absolute) per device from one profiler trace.
+
+    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
+    count; if TF named them otherwise, every executed node is used instead."""
+    if isinstance(space, str):
+        space = _read_space(space)
     out: dict[str, list[tuple[float, float]]] = {}
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
@@ -60,8 +81,22 @@ def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool
                 start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
                 out.setdefault(next(iter(devices)), []).append((start, start + event.duration_ps / 1e9))
     if step_only and not out:
-        return _intervals(xspace_path, device_of, step_only=False)
+        return _intervals(space, device_of, step_only=False)
     return out
+
+
+def _split_steps(space, device_of: dict[str, set[str]]) -> list[dict[str, list[tuple[float, float]]]]:
+    """The op intervals of one trace, per training step (by the step function's executions)."""
+    intervals = _intervals(space, device_of)
+    windows = _step_windows(space)
+    if not windows:
+        return [intervals]
+    steps = []
+    for a, b in windows:
+        step = {d: [(s, e) for s, e in v if a <= s <= b] for d, v in intervals.items()}
+        if any(step.values()):
+            steps.append({d: v for d, v in step.items() if v})
+    return steps
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -109,13 +144,18 @@ def _measure(micro_batches: int, args, data, devices):
     fit = lambda steps: model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)  # noqa: E731
     device_of = compat.executed_partition_devices(lambda: fit(1))  # TF's placement of every node
     fit(3)
+    # Steps are profiled inside one `fit` and the first is dropped: its input iterator is new
+    # (each fit starts an epoch), so its first batch arrives cold; later steps find the next
+    # batch prefetched, as in training.
+    logdir = tempfile.mkdtemp(prefix="tfdist-pipeline-")
+    tf.profiler.experimental.start(logdir)
+    fit(args.steps + 1)
+    tf.profiler.experimental.stop()
+    space = _read_space(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0])
+    per_step = _split_steps(space, device_of)
+    per_step = per_step[1:] if len(per_step) > 1 else per_step
     steps = []
-    for _ in range(args.steps):
-        logdir = tempfile.mkdtemp(prefix="tfdist-pipeline-")
-        tf.profiler.experimental.start(logdir)
-        fit(1)
-        tf.profiler.experimental.stop()
-        per_device = _intervals(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], device_of)
+    for per_device in per_step:
         names = sorted(per_device)
         begin = min(a for v in per_device.values() for a, _ in v)
         end = max(b for v in per_device.values() for _, b in v)
