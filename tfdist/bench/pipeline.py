@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "schedule TF picks for logical CPUs sharing one thread pool")
     p.add_argument("--balance", default="time", choices=("params", "flops", "time"))
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"),
-                   help="mlp: 4 equal Dense(1024) blocks, which K stages can share evenly; cnn: "
+                   help="mlp: 4 equal Dense(1024) blocks (the first needs no input gradient, so stage 0 "
+                        "does a little less backward work); cnn: "
                         "tfdist.models.cnn, whose conv2 alone outweighs the rest (bounded by imbalance)")
     p.add_argument("--json", default="bench_pipeline.json")
     p.add_argument("--png", default="bench_pipeline.png", help="timeline picture, one row per stage")
@@ -249,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
                                model=args.model, stage_streams=args.stage_streams)
     measured = results[-1]["stage_measured_ms"]
     if measured and None not in measured:
-        print("measured fwd+bwd per micro-batch and stage (balance=time): "
-              + ", ".join(f"stage {i}: {v:.3f} ms" for i, v in enumerate(measured)) + f" (M={results[-1]['micro_batches']})")
+        print(f"balance=time, measured fwd+bwd per micro-batch at M={results[-1]['micro_batches']} (layers alone, "
+              "warm caches): " + ", ".join(f"stage {i}: {v:.3f} ms" for i, v in enumerate(measured)))
     for r in results:
         busy = list(r["busy_ms"].values())
         print(f"{r['micro_batches']:3d} {r['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
@@ -266,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
         "intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads or "tf default",
         "stage_streams": args.stage_streams, "input": "one fixed in-memory batch (no input pipeline in the step)",
+        "profiling": f"{args.steps + 1} consecutive steps of one fit under TF's profiler, the first (new input "
+        "iterator, cold batch) dropped; per M the median step by makespan",
+        "backward_schedule": "per stage device: input gradients in micro-batch order, weight gradients of stage k "
+        "deferred by k micro-batches and summed into the layer's gradient as each is produced",
         "emulation": "K logical CPU devices of one process; intra-op threads 1 so each op uses one core; "
         "stage streams serialise each device's layer calls so each stage runs one op at a time, like one "
         "device", "balance": args.balance, "model": args.model,
