@@ -74,7 +74,7 @@ class StageStreams:
         self._tails: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> {device: tensors}
         self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {(call, dev): [...]}
         self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> {(call, dev, m): n}
-        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {(call, dev, seq): {m: grads}}
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {(call, dev, seq): {m: W}}
         self._lock = threading.Lock()  # MirroredStrategy traces replicas in threads
         self._local = threading.local()
 
