@@ -115,10 +115,23 @@ def test_batch_norm_single_micro_batch_matches_and_documented_difference():
     assert _max_diff(reference, micro) > 1e-4
 
 
+def _ancestors(op) -> set:
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def test_stage_streams_order_micro_batches_per_device():
     # GPipe's schedule as control edges in the traced step: on each device, micro-batch m's
-    # forward starts after m-1's (or after the previous layer of m), and m's backward after all
-    # of m-1's gradients there. Without them TF ran two micro-batches of one stage on both cores.
+    # forward starts after m-1's (or after the previous layer of m). The backward runs as one
+    # chain per device: input gradients (B) in micro-batch order, weight gradients (W) deferred
+    # by the stage's index (zero-bubble style), each W followed by adding it to the running sum.
+    # Without the chains TF ran two micro-batches (or a B and a W) of one stage on both cores.
     import re
 
     import tensorflow as tf
@@ -136,23 +149,42 @@ def test_stage_streams_order_micro_batches_per_device():
 
     graph = grads.get_concrete_function(tf.TensorSpec([16, 8])).graph
     micro_batch = lambda name: int(re.search(r"micro_batch_(\d+)/", name).group(1))  # noqa: E731
-    forward, backward = set(), set()
+    forward = set()
     for op in graph.get_operations():
-        if not op.control_inputs or not op.device:
-            continue
-        device = op.device[-5:]
-        assert {c.device[-5:] for c in op.control_inputs} == {device}, op.name  # one stream per device
-        waits_for = {micro_batch(c.name) for c in op.control_inputs}
-        if "/to_stage/" in op.name:
+        if op.control_inputs and op.device and "/to_stage/" in op.name:
+            device = op.device[-5:]
+            assert {c.device[-5:] for c in op.control_inputs} == {device}, op.name  # one stream per device
             m = micro_batch(op.name)
-            assert waits_for <= {m, m - 1}, op.name
+            assert {micro_batch(c.name) for c in op.control_inputs} <= {m, m - 1}, op.name
             forward.add((device, m))
-        elif "_backward" in op.name:
-            assert len(waits_for) == 1, op.name
-            backward.add((device, waits_for.pop()))
-    # Every micro-batch after the first waits on each device (stage 1 = CPU:1 runs d2, d3).
     assert {m for d, m in forward if d == "CPU:0"} == {m for d, m in forward if d == "CPU:1"} == {0, 1, 2, 3}
-    assert backward == {(d, m) for d in ("CPU:0", "CPU:1") for m in (0, 1, 2)}
+
+    def expected(lag):  # layer calls 1 (later layer) then 0 on each device
+        order = []
+        for step in range(4 + lag):
+            if step < 4:
+                order += [("B", step, 1), ("B", step, 0)]
+            m = step - lag
+            if m >= 0:
+                for seq in (1, 0):
+                    order += [("W", m, seq)] + ([("sum", m, seq)] if m else [])
+        return order
+
+    schedule = {device[-5:]: tasks for device, tasks in strategy._streams.schedule(graph).items()}
+    assert [label for label, _, _ in schedule["CPU:0"]] == expected(0)
+    assert [label for label, _, _ in schedule["CPU:1"]] == expected(1)
+    for device, tasks in schedule.items():
+        for (_, _, before), (label, entries, _) in zip(tasks, tasks[1:]):
+            assert entries and before, label
+            for op in entries:  # each task waits (directly or through its predecessors) for the previous
+                assert op.device[-5:] == device
+                assert set(before) <= _ancestors(op), (device, label)
+    # Each weight gradient is the running sum after the last micro-batch (no M-way sum at the end).
+    assert not [op for op in graph.get_operations() if op.type == "AddN"]
+    for t in graph.outputs:
+        while t.op.type == "Identity":
+            t = t.op.inputs[0]
+        assert "accumulate_3/" in t.op.name and t.op.type in ("AddV2", "Add"), t.op.name
     # And the streamed step still computes the plain gradient.
     x = tf.random.stateless_normal([16, 8], seed=[1, 2])
     for g, v in zip(grads(x), model.trainable_variables):

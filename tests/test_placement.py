@@ -110,6 +110,44 @@ def test_plan_costs_and_table():
     assert "stage 1 on CPU:1" in text and "params" in text
 
 
+def test_training_backward_needs_no_input_gradient_before_the_first_weights():
+    from tfdist.placement.balance import needs_input_gradients
+
+    mlp = keras.Sequential([keras.Input((6, 2)), keras.layers.Flatten(name="flat"),
+                            keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
+                            keras.layers.Dense(3, name="c")])
+    assert needs_input_gradients(compat.model_graph(mlp)) == [False, False, True, True]
+    graph = compat.model_graph(branchy())
+    flags = dict(zip([layer.name for layer, *_ in graph], needs_input_gradients(graph)))
+    assert flags == {"stem": False, "left": True, "right": True, "merge": True, "deep": True, "cat": True,
+                     "out": True}
+
+
+def test_time_balance_picks_the_brute_force_split_of_measured_forward_backward_costs():
+    # balance="time" measures each layer's forward + the backward training runs (input gradient
+    # only where needed), at the micro-batch size, and splits where brute force on those costs does.
+    def mlp():
+        layers = [keras.Input((16,))] + [keras.layers.Dense(w, name=f"d{i}") for i, w in enumerate((64, 8, 64, 8, 4))]
+        return keras.Sequential(layers)
+
+    for stages in (2, 3):
+        strategy = tfdist.LayerPlacementStrategy(cpus(stages), balance="time", micro_batches=2)
+        model = compiled(mlp, strategy)
+        model.fit(np.zeros((16, 16), "float32"), np.zeros(16, "int64"), batch_size=16, epochs=1, verbose=0)
+        plan = strategy.placement_plan()
+        assert strategy._measure_batch == 8  # 16 samples / 2 micro-batches
+        costs = [info.seconds for info in plan.layers]
+        assert all(c is not None and c >= 0 for c in costs) and sum(costs) > 0
+        best = min(itertools.combinations(range(1, len(costs)), stages - 1),
+                   key=lambda cuts: max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs)))))
+        bounds = list(zip((0, *best), (*best, len(costs))))
+        got = max(sum(costs[a:b]) for a, b in bounds)
+        chosen = [plan.stage_of[info.name] for info in plan.layers]
+        chosen_bounds = [(chosen.index(k), len(chosen) - chosen[::-1].index(k)) for k in range(stages)]
+        assert max(sum(costs[a:b]) for a, b in chosen_bounds) == pytest.approx(got)
+        assert "ms fwd+bwd" in str(plan)
+
+
 def test_manual_placements_agree():
     infos = describe_model(small_cnn())
     grid = [cpus(3)]

@@ -25,23 +25,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "schedule TF picks for logical CPUs sharing one thread pool")
     p.add_argument("--balance", default="time", choices=("params", "flops", "time"))
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"),
-                   help="mlp: 4 equal Dense(1024) blocks, which K stages can share evenly; cnn: "
+                   help="mlp: 4 equal Dense(1024) blocks (the first needs no input gradient, so stage 0 "
+                        "does a little less backward work); cnn: "
                         "tfdist.models.cnn, whose conv2 alone outweighs the rest (bounded by imbalance)")
     p.add_argument("--json", default="bench_pipeline.json")
     p.add_argument("--png", default="bench_pipeline.png", help="timeline picture, one row per stage")
 
 
-def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool = True
-               ) -> dict[str, list[tuple[float, float]]]:
-    """Op execution intervals (ms, absolute) per device from one profiler trace.
-
-    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
-    count; if TF named them otherwise, every executed node is used instead."""
+def _read_space(xspace_path: str):
     from tfdist import compat
 
     space = compat.xspace_proto()()
     with open(xspace_path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def _step_windows(space) -> list[tuple[float, float]]:
+    """(start, end) in ms of each execution of Keras' compiled train step in one trace, in order."""
+    windows = []
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if name.startswith("EagerLocalExecute: __inference_") and "step_on_" in name:
+                    start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
+                    windows.append((start, start + event.duration_ps / 1e9))
+    return sorted(windows)
+
+
+def _intervals(space, device_of: dict[str, set[str]], step_only: bool = True
+               ) -> dict[str, list[tuple[float, float]]]:
+    """Op execution intervals (ms, absolute) per device from one profiler trace.
+
+    With `step_only`, only nodes of the inlined training step (named StatefulPartitionedCall/...)
+    count; if TF named them otherwise, every executed node is used instead."""
+    if isinstance(space, str):
+        space = _read_space(space)
     out: dict[str, list[tuple[float, float]]] = {}
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
@@ -60,8 +82,22 @@ def _intervals(xspace_path: str, device_of: dict[str, set[str]], step_only: bool
                 start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
                 out.setdefault(next(iter(devices)), []).append((start, start + event.duration_ps / 1e9))
     if step_only and not out:
-        return _intervals(xspace_path, device_of, step_only=False)
+        return _intervals(space, device_of, step_only=False)
     return out
+
+
+def _split_steps(space, device_of: dict[str, set[str]]) -> list[dict[str, list[tuple[float, float]]]]:
+    """The op intervals of one trace, per training step (by the step function's executions)."""
+    intervals = _intervals(space, device_of)
+    windows = _step_windows(space)
+    if not windows:
+        return [intervals]
+    steps = []
+    for a, b in windows:
+        step = {d: [(s, e) for s, e in v if a <= s <= b] for d, v in intervals.items()}
+        if any(step.values()):
+            steps.append({d: v for d, v in step.items() if v})
+    return steps
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -109,13 +145,18 @@ def _measure(micro_batches: int, args, data, devices):
     fit = lambda steps: model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)  # noqa: E731
     device_of = compat.executed_partition_devices(lambda: fit(1))  # TF's placement of every node
     fit(3)
+    # Steps are profiled inside one `fit` and the first is dropped: its input iterator is new
+    # (each fit starts an epoch), so its first batch arrives cold; later steps find the next
+    # batch prefetched, as in training.
+    logdir = tempfile.mkdtemp(prefix="tfdist-pipeline-")
+    tf.profiler.experimental.start(logdir)
+    fit(args.steps + 1)
+    tf.profiler.experimental.stop()
+    space = _read_space(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0])
+    per_step = _split_steps(space, device_of)
+    per_step = per_step[1:] if len(per_step) > 1 else per_step
     steps = []
-    for _ in range(args.steps):
-        logdir = tempfile.mkdtemp(prefix="tfdist-pipeline-")
-        tf.profiler.experimental.start(logdir)
-        fit(1)
-        tf.profiler.experimental.stop()
-        per_device = _intervals(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], device_of)
+    for per_device in per_step:
         names = sorted(per_device)
         begin = min(a for v in per_device.values() for a, _ in v)
         end = max(b for v in per_device.values() for _, b in v)
@@ -163,7 +204,7 @@ def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, step
     """
     import argparse
 
-    k = len(devices)
+    k = k_stages = len(devices)
     opts = argparse.Namespace(steps=steps, balance=balance, model=model, stage_streams=stage_streams)
     results = []
     for m in micro_batches:
@@ -178,6 +219,11 @@ def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, step
             "busy_ms": dict(zip(names, busy)), "efficiency": efficiency, "ideal": ideal,
             "ratio_to_ideal": efficiency / ideal, "devices": names, "timeline": median["intervals"],
             "stage_of": plan.stage_of,
+            # balance="time": each stage's measured forward + training backward per micro-batch,
+            # the imbalance the split could not remove (None for other balances).
+            "stage_measured_ms": [
+                1e3 * sum(i.seconds for i in plan.layers if plan.stage_of[i.name] == stage)
+                if all(i.seconds is not None for i in plan.layers) else None for stage in range(k_stages)],
         })
     return results
 
@@ -202,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
           + f" {'efficiency':>10s} {'ideal':>6s} {'ratio':>6s}")
     results = measure_pipeline(args.micro_batches, devices, data, steps=args.steps, balance=args.balance,
                                model=args.model, stage_streams=args.stage_streams)
+    measured = results[-1]["stage_measured_ms"]
+    if measured and None not in measured:
+        print(f"balance=time, measured fwd+bwd per micro-batch at M={results[-1]['micro_batches']} (layers alone, "
+              "warm caches): " + ", ".join(f"stage {i}: {v:.3f} ms" for i, v in enumerate(measured)))
     for r in results:
         busy = list(r["busy_ms"].values())
         print(f"{r['micro_batches']:3d} {r['makespan_ms']:8.2f} " + " ".join(f"{b:9.2f}" for b in busy)
@@ -217,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": NAME, "stages": k, "global_batch_size": args.batch_size, "steps": args.steps,
         "intra_op_threads": args.intra_op_threads, "inter_op_threads": args.inter_op_threads or "tf default",
         "stage_streams": args.stage_streams, "input": "one fixed in-memory batch (no input pipeline in the step)",
+        "profiling": f"{args.steps + 1} consecutive steps of one fit under TF's profiler, the first (new input "
+        "iterator, cold batch) dropped; per M the median step by makespan",
+        "backward_schedule": "per stage device: input gradients in micro-batch order, weight gradients of stage k "
+        "deferred by k micro-batches and summed into the layer's gradient as each is produced",
         "emulation": "K logical CPU devices of one process; intra-op threads 1 so each op uses one core; "
         "stage streams serialise each device's layer calls so each stage runs one op at a time, like one "
         "device", "balance": args.balance, "model": args.model,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tfdist.errors import ConfigError
 
-__all__ = ["block_partition", "measure_layer_times"]
+__all__ = ["block_partition", "measure_layer_times", "needs_input_gradients"]
 
 
 def block_partition(costs: Sequence[float], stages: int) -> list[int]:
@@ -60,33 +60,69 @@ def block_partition(costs: Sequence[float], stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def measure_layer_times(layers, input_shapes, *, batch: int = 32, repeats: int = 5) -> list[float]:
-    """Median forward+backward seconds of each layer on a random batch, for balance='time'.
+def needs_input_gradients(graph) -> list[bool]:
+    """Per layer of `graph` (compat.model_graph order): does training need its input gradient?
 
-    `input_shapes[i]` lists the input shapes (with a None batch dimension) of `layers[i]`. Layers
-    run one at a time on the current device, compiled with tf.function (first call not timed).
+    Only if some layer upstream of it has trainable weights: the first layers of a model (fed by
+    its inputs) compute weight gradients only, which is why the first stage of a pipeline does
+    less backward work than the others (the pipelined backward prunes those input gradients too).
     """
-    import statistics
+    needed: dict[int, bool] = {}
+    out = []
+    for layer, parents, *_ in graph:
+        flag = any(bool(p.trainable_weights) or needed.get(id(p), False) for p in parents)
+        needed[id(layer)] = flag
+        out.append(flag)
+    return out
 
+
+def measure_layer_times(layers, input_shapes, *, batch: int = 64, repeats: int = 5, loops: int = 10,
+                        input_gradients: Sequence[bool] | None = None) -> list[float]:
+    """Seconds of each layer's forward + backward on a random batch, for balance='time'.
+
+    The backward is the one training runs: weight gradients always, the input gradient only
+    where `input_gradients[i]` is true (see `needs_input_gradients`; default: always). Each
+    layer runs alone on the current device, `loops` times in a sequential loop inside one
+    tf.function (first call not timed), so a small layer is not drowned in the function-call
+    overhead; the fastest of `repeats` calls counts, minus the same harness around an identity
+    layer. `input_shapes[i]` lists the input shapes (with a None batch dimension) of `layers[i]`.
+    """
     import tensorflow as tf
 
-    times = []
-    for layer, shapes in zip(layers, input_shapes):
-        inputs = [tf.random.uniform((batch, *s[1:])) for s in shapes]
-
+    def harness(layer, single: bool, with_inputs: bool):
         @tf.function
-        def step(xs, layer=layer, single=len(shapes) == 1):
-            with tf.GradientTape() as tape:
-                tape.watch(xs)
-                y = layer(xs[0] if single else xs, training=True)
-                total = tf.add_n([tf.reduce_sum(t) for t in tf.nest.flatten(y)])
-            return tape.gradient(total, [xs, layer.trainable_variables])
+        def step(xs):
+            def body(i, total):
+                with tf.GradientTape() as tape:
+                    tape.watch(xs)
+                    y = layer(xs[0] if single else xs, training=True)
+                    out = tf.add_n([tf.reduce_sum(t) for t in tf.nest.flatten(y)])
+                sources = ([xs] if with_inputs else []) + [layer.trainable_variables]
+                grads = [g for g in tf.nest.flatten(tape.gradient(out, sources)) if g is not None]
+                # Each gradient is used (so none is pruned) and the next iteration waits for it.
+                return i + 1, total + tf.add_n([out] + [tf.reduce_sum(g[:1]) for g in grads])
 
-        step(inputs)
+            return tf.while_loop(lambda i, _: i < loops, body, (tf.constant(0), tf.constant(0.0)),
+                                 parallel_iterations=1)[1]
+        return step
+
+    def timed(layer, inputs, single: bool, with_inputs: bool) -> float:
+        fn = harness(layer, single, with_inputs)
+        fn(inputs).numpy()
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy() if t is not None else None, step(inputs))
+            fn(inputs).numpy()
             samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
+        return min(samples) / loops
+
+    import keras
+
+    overhead = timed(keras.layers.Identity(), [tf.random.uniform((batch, 8))], True, True)
+    if input_gradients is None:
+        input_gradients = [True] * len(layers)
+    times = []
+    for layer, shapes, with_inputs in zip(layers, input_shapes, input_gradients):
+        inputs = [tf.random.uniform((batch, *s[1:])) for s in shapes]
+        times.append(max(timed(layer, inputs, len(shapes) == 1, with_inputs) - overhead, 0.0))
     return times

@@ -73,12 +73,13 @@ def pipeline_model_call(model: keras.Model, micro_batches: int, streams=None) ->
             masks = [split_batch(m, micro_batches)[0] if tf.is_tensor(m) else [m] * micro_batches
                      for m in tf.nest.flatten(mask)]
         outputs = []
+        token = object()  # this traced call: its micro-batches' backward tasks form one schedule
         for m in range(micro_batches):
             chunk = tf.nest.pack_sequence_as(inputs, [p[m] for p in parts])
             kw = dict(kwargs)
             if masks is not None:
                 kw["mask"] = tf.nest.pack_sequence_as(mask, [ms[m] for ms in masks])
-            with tf.name_scope(f"micro_batch_{m}"), (streams.micro_batch(m) if streams
+            with tf.name_scope(f"micro_batch_{m}"), (streams.micro_batch(m, token, micro_batches) if streams
                                                       else contextlib.nullcontext()):
                 outputs.append(original(chunk, *args, **kw))
 

@@ -24,7 +24,7 @@ class LayerInfo:
     flops: float                     # estimated forward FLOPs per sample
     activation_bytes: int            # bytes of this layer's outputs per sample
     input_shapes: list[tuple] = field(default_factory=list)
-    seconds: float | None = None     # measured fwd+bwd time (balance='time')
+    seconds: float | None = None     # measured fwd+bwd seconds of one micro-batch (balance="time")
 
 
 @dataclass
@@ -90,10 +90,14 @@ class StagePlan:
         rows.append("-" * len(head))
         for t in self.stage_totals():
             devs = ", ".join(_short(d) for d in t["devices"])
+            timed = [i.seconds for i in self.layers if self.stage_of[i.name] == t["stage"] and i.seconds is not None]
             rows.append(f"stage {t['stage']} on {devs}: {t['layers']} layers, {t['params']:,d} params, "
-                        f"{t['flops'] / 1e6:.3f} MFLOPs/sample, sends {t['sent_bytes'] / 1024:.1f} KB/sample")
+                        f"{t['flops'] / 1e6:.3f} MFLOPs/sample, sends {t['sent_bytes'] / 1024:.1f} KB/sample"
+                        + (f", {sum(timed) * 1e3:.3f} ms fwd+bwd" if timed else ""))
         rows.append(f"balance={self.balance}, micro_batches={self.micro_batches}, "
-                    f"data_parallel={len(self.devices)} (per-sample costs; FLOPs are estimates)")
+                    f"data_parallel={len(self.devices)} (per-sample costs; FLOPs are estimates"
+                    + ("; ms: measured forward + training backward of one micro-batch)" if any(
+                        i.seconds is not None for i in self.layers) else ")"))
         return "\n".join(rows)
 
 

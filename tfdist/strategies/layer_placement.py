@@ -108,6 +108,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         self._streams = StageStreams() if use_streams else None
         self._plans: dict[int, tuple[weakref.ref, StagePlan]] = {}
         self._last_plan: StagePlan | None = None
+        self._measure_batch: int | None = None  # micro-batch size, once a batch has been seen
         self._collective_key_base = compat.fresh_collective_key_base()
         # ReductionToOneDevice reduces each gradient on the first device its destination lives
         # on, i.e. per stage: stage k's gradients are summed on replica 0's stage-k device and
@@ -162,7 +163,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 self._move_variables(model, graph, plan)
         for layer, *_ in graph:
             stage = plan.stage_of[layer.name]
-            place_layer_call(layer, functools.partial(self._device, stage), self._streams)
+            place_layer_call(layer, functools.partial(self._device, stage), self._streams, lag=stage)
         pipeline_model_call(model, self._micro_batches, self._streams)
         self._plans[id(model)] = (weakref.ref(model), plan)
         self._last_plan = plan
@@ -172,11 +173,19 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
     def run(self, fn, args=(), kwargs=None, options=None):
         model = compat.keras_model_of_step(fn)
         if model is not None:
+            if self._measure_batch is None:  # balance='time' measures at the micro-batch size
+                sizes = [t.shape[0] for t in tf.nest.flatten((args, kwargs or {}))
+                         if tf.is_tensor(t) and t.shape.rank and t.shape[0] is not None]
+                if sizes and sizes[0] >= self._micro_batches:
+                    self._measure_batch = sizes[0] // self._micro_batches
             self.place(model)
         return super().run(self._in_pipeline(fn), args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        self._check_batch(compat.dataset_batch_size(dataset))
+        batch = compat.dataset_batch_size(dataset)
+        self._check_batch(batch)
+        if batch and self._measure_batch is None:
+            self._measure_batch = max(batch // (len(self._grid) * self._micro_batches), 1)
         return super().experimental_distribute_dataset(dataset, options)
 
     # --- internals --------------------------------------------------------------------------
@@ -216,12 +225,14 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 f"{replicas * self._micro_batches}.")
 
     def _measure(self, graph, infos) -> None:
-        from tfdist.placement.balance import measure_layer_times
+        from tfdist.placement.balance import measure_layer_times, needs_input_gradients
 
         layers = [layer for layer, *_ in graph]
         saved = [[v.numpy() for v in layer.variables] for layer in layers]  # BN stats, RNG seeds
         with tf.device(self._grid[0][0]):
-            times = measure_layer_times(layers, [info.input_shapes for info in infos])
+            times = measure_layer_times(layers, [info.input_shapes for info in infos],
+                                        batch=self._measure_batch or 64,
+                                        input_gradients=needs_input_gradients(graph))
         for layer, values in zip(layers, saved):
             for v, value in zip(layer.variables, values):
                 v.assign(value)
