@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -19,8 +20,7 @@ import numpy as np
 import pytest
 
 from tfdist.cluster.launcher import launch
-
-pytestmark = pytest.mark.slow
+from tfdist.errors import ConfigError
 
 PARAMS = 8 * 16 + 16 + 16 + 1  # the job's model
 JOB = os.path.join(os.path.dirname(__file__), "zero_multiworker_job.py")
@@ -57,6 +57,19 @@ def _launch(script, n: int, devices: int, *args: str) -> str:
     return out.getvalue()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"zero_stage": 3}, "supported stages are {0, 1, 2}"),
+    ({"zero_stage": "1"}, "supported stages are {0, 1, 2}"),
+    ({"zero_stage": 1, "offload": "yes"}, "offload must be True or False"),
+    ({"offload": True}, "needs zero_stage=1 or 2"),
+])
+def test_bad_zero_arguments_are_config_errors(kwargs, message):
+    import tfdist  # checked before anything touches TensorFlow's runtime or the cluster
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tfdist.MultiWorkerMirroredStrategy(**kwargs)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_mw")
@@ -88,6 +101,7 @@ def max_slot_diff(a: list, b: list) -> float:
     return max(float(np.max(np.abs(np.asarray(x, "float64") - y))) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_zero1_equals_stage0_exactly_and_zero2_within_1e4(runs):
     _, data, _, _ = runs
     for topo in ("2x1", "2x2"):
@@ -102,6 +116,19 @@ def test_zero1_equals_stage0_exactly_and_zero2_within_1e4(runs):
         assert not np.allclose(s0["w20"], s0["w30"])  # training moved the weights
 
 
+@pytest.mark.slow
+def test_global_norm_clipping_uses_the_global_gradient(runs):
+    _, data, _, _ = runs
+    for tag, (_, _, stage, _, _) in RUNS.items():
+        if stage:
+            d = data[tag, 0]
+            print(f"\n{tag}: clipped run vs one device max relative difference {rel(d['w_clip'], d['w_clip_single']):.2e}")
+            assert rel(d["w_clip"], d["w_clip_single"]) <= 1e-5, tag
+            assert rel(d["w_clip"], d["w_unclipped_single"]) > 1e-2, tag  # clipping really changed the steps
+            np.testing.assert_array_equal(d["w_clip"], data[tag, 1]["w_clip"])
+
+
+@pytest.mark.slow
 def test_both_workers_end_bit_identical(runs):
     _, data, logs, _ = runs
     for tag in RUNS:
@@ -113,6 +140,7 @@ def test_both_workers_end_bit_identical(runs):
         assert f"[0] JOB DONE {tag} 0" in logs[tag] and f"[1] JOB DONE {tag} 1" in logs[tag]
 
 
+@pytest.mark.slow
 def test_slot_shards_live_only_on_their_owner(runs):
     _, data, _, _ = runs
     for tag, (n, m, stage, offload, _) in RUNS.items():
@@ -138,6 +166,7 @@ def test_slot_shards_live_only_on_their_owner(runs):
                     assert row["gradients"] == (4 * PARAMS if stage == 1 else 4 * shard), (tag, row)
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_full_logical_state_and_load_in_plain_keras(runs):
     out, data, _, plain = runs
     assert not list(out.glob("*rank1*.keras"))
@@ -157,6 +186,7 @@ def test_checkpoints_hold_the_full_logical_state_and_load_in_plain_keras(runs):
                 assert max_slot_diff(slots, reference["slots"]) <= 1e-6, tag
 
 
+@pytest.mark.slow
 def test_backup_resume_and_stage0_checkpoint_continue_under_zero(runs):
     _, data, logs, _ = runs
     for tag, (_, _, stage, _, ref) in RUNS.items():
@@ -172,3 +202,52 @@ def test_backup_resume_and_stage0_checkpoint_continue_under_zero(runs):
             np.testing.assert_array_equal(d["w30_loaded"], r["w30"], err_msg=tag)
         else:
             assert rel(d["w30_loaded"], r["w30"]) <= 1e-4, tag
+
+
+CHIEF_ONLY_SAVE = """
+import os, sys, time
+import tfdist
+strategy = tfdist.MultiWorkerMirroredStrategy(timeout_s=8, zero_stage=1)
+import keras, numpy as np
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+model.fit(np.ones((32, 4), "float32"), np.ones((32, 1), "float32"), batch_size=8, verbose=0)
+if tfdist.cluster.is_chief(strategy):
+    try:
+        model.save(os.path.join(sys.argv[1], "chief-only.keras"))  # the other worker does not take part
+    except tfdist.errors.ConfigError as err:
+        print("CONFIG ERROR", err, flush=True)
+else:
+    time.sleep(16)  # alive, but busy elsewhere
+"""
+
+
+@pytest.mark.slow
+def test_a_save_without_the_other_workers_fails_clearly_instead_of_hanging(tmp_path):
+    script = tmp_path / "chief_only.py"
+    script.write_text(CHIEF_ONLY_SAVE)
+    log = _launch(script, 2, 1, str(tmp_path))
+    assert "[0] CONFIG ERROR ZeRO all-gather across workers timed out (timeout_s=8.0)" in log, log[-3000:]
+    assert "tfdist.cluster.ModelCheckpoint / BackupAndRestore / save_model" in log
+
+
+@pytest.mark.slow
+def test_cli_train_multiworker_zero1_gives_the_weights_of_stage_0(tmp_path):
+    digests = {}
+    for stage in (0, 1):
+        save = tmp_path / f"s{stage}.keras"
+        out = io.StringIO()
+        rc = launch([sys.executable, "-m", "tfdist", "train", "--strategy", "multiworker", "--zero-stage", str(stage),
+                     "--dataset", "digits", "--epochs", "1", "--verbose", "0", "--save", str(save)], 2, out=out,
+                    timeout_s=240, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+        log = out.getvalue()
+        assert rc == 0, log[-4000:]
+        assert ("zero_stage=1" in log) == (stage == 1)
+        found = dict(re.findall(r"\[rank (\d)\]: final weights sha256 ([0-9a-f]{16})", log))
+        assert found["0"] == found["1"], log[-3000:]  # both workers bit-identical
+        digests[stage] = found["0"]
+        assert save.exists()  # written by the chief, with the other worker's shards gathered
+    print(f"\nfinal weights sha256: stage 0 {digests[0]}, stage 1 {digests[1]}")
+    assert digests[0] == digests[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s0.keras", "s1.keras"]

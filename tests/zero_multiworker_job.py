@@ -2,7 +2,7 @@
 
 Usage (under `tfdist launch -n 2 [--devices-per-worker M]`): python zero_multiworker_job.py OUT TAG STAGE OFFLOAD REF
 """
-import glob, json, os, sys, tempfile
+import contextlib, glob, json, os, sys, tempfile
 import numpy as np
 out, tag, stage, offload, ref = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 import tfdist
@@ -20,14 +20,14 @@ options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoSha
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options)  # 10 steps per epoch
 
 
-def build():
-    with strategy.scope():
+def build(scope=strategy.scope, optimizer=None):
+    with scope():
         model = keras.Sequential([
             keras.Input((8,)),
             keras.layers.Dense(16, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1)),
             keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
         ])  # 161 parameters: shards of 81 (2 replicas) or 41 (4), the last one padded
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01), loss="mse")
     return model
 
 
@@ -67,6 +67,20 @@ if ref != "-":
     record["slots_loaded"], record["w20_loaded"] = state(c), flat(c)
     c.fit(data, epochs=3, initial_epoch=2, verbose=0)
     record["w30_loaded"] = flat(c)
+# 5. Global-norm clipping: ZeRO clips the summed gradient, as one device with the global batch does
+# (stock Keras clips each replica's gradient). SGD with momentum: its steps scale with the gradient.
+clip = lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05)
+if stage:
+    clipped = build(optimizer=clip)
+    clipped.fit(data, epochs=1, verbose=0)
+    record["w_clip"] = flat(clipped)
+    if rank == 0:
+        single = build(scope=contextlib.nullcontext, optimizer=clip)  # no strategy: one device
+        single.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        record["w_clip_single"] = flat(single)
+        unclipped = build(scope=contextlib.nullcontext, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.5))
+        unclipped.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        record["w_unclipped_single"] = flat(unclipped)
 record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-*{os.getpid()}*"))
 record["replicas"] = strategy.num_replicas_in_sync
 with open(os.path.join(out, f"{tag}-rank{rank}.json"), "w") as f:
