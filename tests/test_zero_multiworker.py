@@ -168,6 +168,8 @@ def test_slot_shards_live_only_on_their_owner(runs):
 
 @pytest.mark.slow
 def test_checkpoints_hold_the_full_logical_state_and_load_in_plain_keras(runs):
+    import tensorflow as tf
+
     out, data, _, plain = runs
     assert not list(out.glob("*rank1*.keras"))
     for tag, (_, _, stage, _, _) in RUNS.items():
@@ -184,6 +186,11 @@ def test_checkpoints_hold_the_full_logical_state_and_load_in_plain_keras(runs):
             np.testing.assert_array_equal(loaded["weights"], data[tag, 0]["w20"])
             if stage == 1:
                 assert max_slot_diff(slots, reference["slots"]) <= 1e-6, tag
+        reader = tf.train.load_checkpoint(str(out / f"{tag}-tf"))  # tf.train.Checkpoint, same logical state
+        slots = data[tag, 0]["slots"]
+        for k in range(2, len(slots)):  # after the iteration count and the learning rate
+            np.testing.assert_array_equal(reader.get_tensor(f"optimizer/_variables/{k}/.ATTRIBUTES/VARIABLE_VALUE"),
+                                          slots[k])
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 Usage (under `tfdist launch -n 2 [--devices-per-worker M]`): python zero_multiworker_job.py OUT TAG STAGE OFFLOAD REF
 """
-import contextlib, glob, json, os, sys, tempfile
+import contextlib, glob, json, os, shutil, sys, tempfile
 import numpy as np
 out, tag, stage, offload, ref = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 import tfdist
@@ -43,7 +43,11 @@ a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.cluster.BackupAndRestore(back
 record["w20"], record["slots"] = flat(a), state(a)
 tfdist.cluster.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
 engine = getattr(a.optimizer, "_tfdist_zero", None)
-if engine is not None:
+if engine is not None:  # tf.train.Checkpoint: every worker writes (gathering), the chief's copy is kept
+    where = out if rank == 0 else tempfile.mkdtemp(prefix="ckpt-")
+    tf.train.Checkpoint(model=a, optimizer=a.optimizer).write(os.path.join(where, f"{tag}-tf"))
+    if rank:
+        shutil.rmtree(where)
     record["shard_ids"] = list(engine.comm.shard_ids)
     record["shard_shapes"] = [tuple(v.shape) for vs in engine.slots.values() for v in vs]
     record["shard_devices"] = [v.value.device for vs in engine.slots.values() for v in vs]
