@@ -450,3 +450,67 @@ def add_control_inputs(op, control_ops) -> None:
     """Makes graph `op` (already created) wait for `control_ops`. Used by the GPipe stage streams,
     whose backward order is only known once the tape has traced later ops."""
     op._add_control_inputs(list(control_ops))
+
+
+# --- ZeRO across processes (tfdist.comm.tf_shards) -------------------------------------------
+# The ZeRO engine's collectives under MultiWorkerMirroredStrategy are TF's V2 collectives, launched
+# the way MWMS launches its own (cross_device_utils.CollectiveReplicaLauncher: instance keys taken
+# at call time, so workers that trace at different moments still agree). They get their own group
+# key, half a key stride above the strategy's (MWMS numbers its groups from base + 1 upwards), so
+# they never share instance keys with the strategy's all-reduces. They share the strategy's
+# per-device ordering token: every collective on a device, ours and the strategy's, then runs in
+# program order, the same on every worker (unordered V2 collectives in one tf.function deadlock).
+_ZERO_KEY_OFFSET = _KEY_STRIDE // 2
+
+
+def zero_collective_launchers(strategy) -> list:
+    """One collective launcher per local replica of a MultiWorkerMirroredStrategy, in a group of
+    all its replicas, ordered together with the strategy's own collectives on each device."""
+    from tensorflow.python.distribute import cross_device_utils
+
+    ext = strategy.extended
+    ops = ext._cross_device_ops
+    keys = cross_device_utils.CollectiveKeys(group_key_start=1 + ext._collective_key_base + _ZERO_KEY_OFFSET)
+    group_key = keys.get_group_key(list(ops._devices))
+    launchers = []
+    for device, own in zip(ops._devices, ops._launchers):
+        launcher = cross_device_utils.CollectiveReplicaLauncher(group_key, ops._group_size, keys, device,
+                                                                ops._options)
+        launcher._ordering_token = own._ordering_token
+        launchers.append(launcher)
+    return launchers
+
+
+def launcher_device(launcher) -> str:
+    """The device a collective launcher runs on."""
+    return launcher._device
+
+
+def launcher_all_reduce_sum(launcher, tensor: tf.Tensor) -> tf.Tensor:
+    """CollectiveReduceV2 (sum) of `tensor` over the launcher's group."""
+    return launcher.all_reduce(tensor)
+
+
+def launcher_all_gather(launcher, tensor: tf.Tensor) -> tf.Tensor:
+    """CollectiveGatherV2: the group's tensors concatenated along axis 0, in group-rank order."""
+    return launcher._all_gather(tensor, None)
+
+
+def launcher_all_to_all(launcher, tensor: tf.Tensor) -> tf.Tensor:
+    """CollectiveAllToAllV2: part r (of group_size equal parts along axis 0) of `tensor` goes to
+    group rank r; the result holds, at position r, what rank r sent here."""
+    from tensorflow.python.ops import collective_ops
+
+    instance_key = launcher._next_instance_key()
+    options = launcher._options
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor, launcher._group_size, launcher._group_key, instance_key,
+            communication_hint=options.implementation.value, timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token())
+
+
+def first_global_replica_id(strategy) -> int:
+    """Global replica index (replica_id_in_sync_group) of this worker's first local replica:
+    MWMS numbers replicas worker by worker (chief first), local devices in order."""
+    return int(strategy.extended._get_replica_id_in_sync_group(0))

@@ -9,7 +9,7 @@ import platform
 import time
 
 # Strategies whose builder takes zero_stage (tfdist.sharding); extend when another one gains it.
-ZERO_STRATEGIES = ("mirrored",)
+ZERO_STRATEGIES = ("mirrored", "multiworker")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
                      "python": platform.python_version()},
     }
     if not chief:
+        if args.save:  # ZeRO across processes: every worker takes part in gathering the optimizer state
+            tfdist.cluster.save_model(model, args.save, strategy)
         return 0
     for path in (args.plot, args.json, args.save):
         if path and os.path.dirname(path):

@@ -17,6 +17,7 @@ _LAZY = {
     "parse_tf_config": "tfdist.cluster.tf_config",
     "Preemption": "tfdist.cluster.preemption",
     "requeue_job": "tfdist.cluster.preemption",
+    "save_model": "tfdist.cluster.chief",
 }
 
 __all__ = ["RankInfo", "SlurmCluster", "in_slurm_step", "is_chief", "rank", "world_size", *_LAZY]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import keras
 
@@ -13,7 +14,7 @@ from tfdist import compat
 from tfdist.cluster.rank import is_chief
 from tfdist.data.epochs import EpochOrder
 
-__all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle"]
+__all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle", "save_model"]
 
 _BACKUP = re.compile(r"^epoch-(\d+)$")
 
@@ -81,6 +82,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._chief():
+            if needs_every_worker(self.model):  # ZeRO shards in this process: help the chief gather them
+                with tempfile.TemporaryDirectory(prefix="tfdist-backup-") as tmp:
+                    self.model.save_weights(os.path.join(tmp, "state.weights.h5"))
             return  # other workers hold the same state: one copy is enough
         os.makedirs(self.backup_dir, exist_ok=True)
         tmp = os.path.join(self.backup_dir, f".tmp-epoch-{epoch + 1}-{os.getpid()}")
@@ -108,11 +112,14 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "o
 
 
 class ModelCheckpoint(keras.callbacks.Callback):
-    """`keras.callbacks.ModelCheckpoint` that saves on the chief only; other workers write nothing.
+    """`keras.callbacks.ModelCheckpoint` that saves on the chief only; other workers keep nothing.
 
     Takes the same arguments as `keras.callbacks.ModelCheckpoint`, plus `strategy` (who is chief).
     All workers hold identical weights and identical (all-reduced) metrics, so the chief's copy is
-    the model, and "save_best_only" decides the same way everywhere.
+    the model, and "save_best_only" decides the same way everywhere. When the optimizer state is
+    sharded across processes (ZeRO under a multi-process strategy), the other workers save along
+    with the chief into a temporary directory that is deleted at once: reading the full state
+    gathers every worker's shards, so all of them must take part.
 
     Example:
         >>> ckpt = tfdist.cluster.ModelCheckpoint("out/best.keras", monitor="val_loss", save_best_only=True)
@@ -122,22 +129,38 @@ class ModelCheckpoint(keras.callbacks.Callback):
         super().__init__()
         self.chief = is_chief(strategy)
         self.inner = keras.callbacks.ModelCheckpoint(filepath, *args, **kwargs) if self.chief else None
+        # Non-chief: the same callback writing into a scratch directory (created by Keras when it
+        # saves, removed right after), used only under cross-process ZeRO.
+        self._scratch = None if self.chief else os.path.join(tempfile.gettempdir(),
+                                                              f"tfdist-ckpt-{os.getpid()}-{id(self):x}")
+        self.helper = None if self.chief else keras.callbacks.ModelCheckpoint(
+            os.path.join(self._scratch, os.path.basename(os.fspath(filepath))), *args, **kwargs)
 
     def set_model(self, model):
         super().set_model(model)
-        if self.inner is not None:
-            self.inner.set_model(model)
+        for cb in (self.inner, self.helper):
+            if cb is not None:
+                cb.set_model(model)
 
     def set_params(self, params):
         super().set_params(params)
-        if self.inner is not None:
-            self.inner.set_params(params)
+        for cb in (self.inner, self.helper):
+            if cb is not None:
+                cb.set_params(params)
+
+    def _drop_scratch(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 def _forward(name):
     def hook(self, *args, **kwargs):
         if self.inner is not None:
             return getattr(self.inner, name)(*args, **kwargs)
+        if self.helper is not None and needs_every_worker(self.model):
+            try:
+                getattr(self.helper, name)(*args, **kwargs)
+            finally:
+                self._drop_scratch()
 
     hook.__name__ = name
     return hook
@@ -145,6 +168,35 @@ def _forward(name):
 
 for _name in _HOOKS:
     setattr(ModelCheckpoint, _name, _forward(_name))
+
+
+def needs_every_worker(model) -> bool:
+    """True when saving `model` needs every worker: its optimizer state is sharded across processes."""
+    from tfdist.sharding.checkpoint import shards_in_other_processes
+
+    return model is not None and shards_in_other_processes(getattr(model, "optimizer", None))
+
+
+def save_model(model: keras.Model, filepath: str, strategy=None, **kwargs) -> str | None:
+    """`model.save(filepath)` in a multi-worker job: call it on every worker.
+
+    The chief writes `filepath`. When the optimizer state is sharded across processes (ZeRO under
+    MultiWorkerMirroredStrategy or HorovodStrategy), the other workers save too, into a temporary
+    file they delete at once: reading the full optimizer state gathers every worker's shards.
+    Otherwise they do nothing. Returns the path written, or None on the other workers.
+
+    Example:
+        >>> tfdist.cluster.save_model(model, "out/model.keras")   # every worker runs this line
+    """
+    if strategy is None:
+        strategy = getattr(model, "distribute_strategy", None)
+    if is_chief(strategy):
+        model.save(filepath, **kwargs)
+        return os.fspath(filepath)
+    if needs_every_worker(model):
+        with tempfile.TemporaryDirectory(prefix="tfdist-save-") as tmp:
+            model.save(os.path.join(tmp, os.path.basename(os.fspath(filepath))), **kwargs)
+    return None
 
 
 # Issue 3's name for the per-epoch order; the one implementation lives in the data layer.

@@ -73,3 +73,11 @@ def load_own_variables_strict(self, store):
             raise ConfigError(f"optimizer variable {variable.path!r} has shape {tuple(variable.shape)} but the "
                               f"checkpoint holds shape {tuple(np.shape(value))}: checkpoint of a different model.")
         variable.assign(value)
+
+
+def shards_in_other_processes(optimizer) -> bool:
+    """True when `optimizer` is a ZeRO optimizer whose state is partly held by other processes:
+    reading its full state (saving) then needs every process to take part."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    engine = getattr(optimizer, "_tfdist_zero", None)
+    return engine is not None and not engine.comm.all_local

@@ -234,9 +234,18 @@ class ZeroEngine:
                 with tf.device(self.state_devices[local[r]]):
                     parts.append(tf.identity(shards[local[r]].value[piece.offset:piece.offset + piece.size]))
             flat = tf.concat(parts, 0)
-        else:
-            start = self.layout.offsets[var]
-            flat = self.comm.all_gather([s.value for s in shards])[0][start:start + self.layout.sizes[var]]
+        else:  # each shard's piece of this variable, padded to one window: ~Psi_var traffic, not Psi
+            owners = self.layout.owners(var)
+            window = max(p.size for _, p in owners)
+            mine = []
+            for i, sid in enumerate(self.comm.shard_ids):
+                piece = next((p for r, p in owners if r == sid), None)
+                with tf.device(self.state_devices[i]):
+                    part = shards[i].value[piece.offset:piece.offset + piece.size] if piece \
+                        else tf.zeros([0], self.dtype)
+                    mine.append(tf.pad(part, [[0, window - int(part.shape[0])]]))
+            gathered = self.comm.all_gather(mine)[0]
+            flat = tf.concat([gathered[r * window:r * window + p.size] for r, p in owners], 0)
         with tf.device(self.config.host_device):
             return tf.reshape(flat, self.layout.shapes[var])
 

@@ -14,6 +14,8 @@ from tfdist.cluster.faults import install_excepthook, startup_watchdog
 from tfdist.cluster.ports import port_open
 from tfdist.cluster.tf_config import LOCAL_DEVICES_ENV, ClusterConfig, parse_tf_config, tf_config_from_env
 from tfdist.errors import ConfigError, InitOrderError
+from tfdist.sharding import zero
+from tfdist.sharding.memory import MemoryReport, memory_report
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -48,6 +50,12 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         communication: 'auto', 'ring' or 'nccl' (GPUs).
         timeout_s: seconds to wait for peers at start-up and for any one collective.
         heartbeat_s: seconds of silence after which a peer counts as dead (default: min(timeout_s, 20)).
+        zero_stage: 0 (every replica holds all optimizer state), 1 (each of the N*M replicas holds
+            1/(N*M) of it, as flat even shards) or 2 (and keeps only its 1/(N*M) of the summed
+            gradient, reduce-scattered with all-to-all collectives). Checkpoints still hold the full
+            logical optimizer state; every worker takes part in saving it (see tfdist.cluster.save_model).
+        offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in the
+            worker's host memory instead of on the replica's device.
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -58,6 +66,16 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         ...     model = tfdist.models.cnn()
         ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         >>> model.fit(data.train, epochs=2, verbose=1 if tfdist.cluster.is_chief(strategy) else 0)
+
+        ZeRO: the Adam state is cut in N*M flat shards, one per replica across all workers;
+        every worker calls save_model (the chief writes the file, the others help gather the state):
+        >>> strategy = tfdist.MultiWorkerMirroredStrategy(zero_stage=2)
+        >>> with strategy.scope():
+        ...     model = tfdist.models.cnn()
+        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> model.fit(data.train, epochs=2, callbacks=[tfdist.cluster.ModelCheckpoint("ckpt/model.keras")])
+        >>> print(strategy.memory_report(model))          # this worker's replicas, read from the variables
+        >>> tfdist.cluster.save_model(model, "model.keras")  # on every worker
     """
 
     def __init__(
@@ -67,7 +85,15 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         communication: str = "auto",
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
+        zero_stage: int = 0,
+        offload: bool = False,
     ):
+        self.zero_stage = zero.check_stage(zero_stage)
+        if not isinstance(offload, bool):
+            raise ConfigError(f"offload must be True or False, got {offload!r}.")
+        if offload and self.zero_stage == 0:
+            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
+        self.offload = offload
         if communication not in _COMMUNICATION:
             raise ConfigError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -103,6 +129,34 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         install_excepthook(config)
         # tf.distribute.Strategy.__init__, not MWMS's: that one would build a stock extended.
         tf.distribute.Strategy.__init__(self, extended)
+        self._zero = self._make_zero_config() if self.zero_stage else None
+        zero.enable()  # also gives stage 0 a clear error for an optimizer created outside the scope
+
+    def _make_zero_config(self) -> zero.ZeroConfig:
+        devices = list(self.extended.worker_devices)
+        host = tf.DeviceSpec.from_string(devices[0]).replace(device_type="CPU", device_index=0).to_string()
+        if compat.strategy_task(self)[2] > 1:
+            from tfdist.comm.tf_shards import TFShardCollectives
+
+            collectives = TFShardCollectives(self, timeout_s=self.timeout_s)
+        else:  # one worker: every shard is local, plain device copies do
+            from tfdist.sharding.collectives import LocalCollectives
+
+            collectives = LocalCollectives(devices)
+        return zero.ZeroConfig(self.zero_stage, self.offload, collectives, host_device=host)
+
+    def _tfdist_zero_config(self) -> zero.ZeroConfig | None:
+        # Read by the optimizer build hook (tfdist.sharding.zero) to decide whether to shard.
+        return self._zero
+
+    def memory_report(self, model) -> MemoryReport:
+        """Per-replica bytes of parameters, gradients and optimizer state of this worker's replicas.
+
+        Read from the devices and shapes of the variables (and of the gradient tensors the traced
+        step keeps), next to the ZeRO formula for all N*M replicas. Call it after the optimizer is
+        built (after the first `fit` step).
+        """
+        return memory_report(self, model)
 
     @property
     def cluster_config(self) -> ClusterConfig | None:

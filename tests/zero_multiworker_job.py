@@ -1,0 +1,93 @@
+"""Worker script of tests/test_zero_multiworker.py: one (topology, ZeRO stage) run, results to JSON.
+
+Usage (under `tfdist launch -n 2 [--devices-per-worker M]`): python zero_multiworker_job.py OUT TAG STAGE OFFLOAD REF
+"""
+import contextlib, glob, json, os, shutil, sys, tempfile
+import numpy as np
+out, tag, stage, offload, ref = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
+import tfdist
+# The strategy comes first: collectives must be configured before TensorFlow initialises.
+strategy = tfdist.MultiWorkerMirroredStrategy(timeout_s=60, zero_stage=stage, offload=offload)
+import keras
+import tensorflow as tf
+
+rank = tfdist.cluster.rank(strategy)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(160, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1)) + 0.1).astype("float32")
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options)  # 10 steps per epoch
+
+
+def build(scope=strategy.scope, optimizer=None):
+    with scope():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1)),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        ])  # 161 parameters: shards of 81 (2 replicas) or 41 (4), the last one padded
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+flat = lambda m: np.concatenate([w.ravel() for w in m.get_weights()])
+state = lambda m: [np.asarray(v) for v in m.optimizer.variables]  # every worker reads: gathers shards
+record = {}
+backup = os.path.join(out, f"backup-{tag}")
+
+# 1. 20 Adam steps with a backup and a checkpoint per epoch; every worker saves.
+a = build()
+a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.cluster.BackupAndRestore(backup, delete_on_success=False),
+                                            tfdist.cluster.ModelCheckpoint(os.path.join(out, f"{tag}.keras"))])
+record["w20"], record["slots"] = flat(a), state(a)
+tfdist.cluster.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
+engine = getattr(a.optimizer, "_tfdist_zero", None)
+if engine is not None:  # tf.train.Checkpoint: every worker writes (gathering), the chief's copy is kept
+    where = out if rank == 0 else tempfile.mkdtemp(prefix="ckpt-")
+    tf.train.Checkpoint(model=a, optimizer=a.optimizer).write(os.path.join(where, f"{tag}-tf"))
+    if rank:
+        shutil.rmtree(where)
+    record["shard_ids"] = list(engine.comm.shard_ids)
+    record["shard_shapes"] = [tuple(v.shape) for vs in engine.slots.values() for v in vs]
+    record["shard_devices"] = [v.value.device for vs in engine.slots.values() for v in vs]
+    record["inner_state_elements"] = sum(int(np.prod(v.shape)) for v in engine.inner.variables)
+    record["local_devices"] = list(strategy.extended.worker_devices)
+    report = strategy.memory_report(a)
+    record["memory"] = report.to_dict()
+    print(report, flush=True)
+# 2. 10 more steps in memory.
+a.fit(data, epochs=3, initial_epoch=2, verbose=0)
+record["w30"] = flat(a)
+# 3. A fresh model resumes from the backup (epoch 2) and runs epoch 3.
+b = build()
+restore = tfdist.cluster.BackupAndRestore(backup)
+b.fit(data, epochs=3, verbose=0, callbacks=[restore])
+record["resumed_epoch"], record["w30_resumed"] = restore.restored_epoch, flat(b)
+# 4. The stage-0 run's checkpoint (20 steps) loaded here, then epoch 3.
+if ref != "-":
+    with strategy.scope():
+        c = keras.models.load_model(ref)
+    record["slots_loaded"], record["w20_loaded"] = state(c), flat(c)
+    c.fit(data, epochs=3, initial_epoch=2, verbose=0)
+    record["w30_loaded"] = flat(c)
+# 5. Global-norm clipping: ZeRO clips the summed gradient, as one device with the global batch does
+# (stock Keras clips each replica's gradient). SGD with momentum: its steps scale with the gradient.
+clip = lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05)
+if stage:
+    clipped = build(optimizer=clip)
+    clipped.fit(data, epochs=1, verbose=0)
+    record["w_clip"] = flat(clipped)
+    if rank == 0:
+        single = build(scope=contextlib.nullcontext, optimizer=clip)  # no strategy: one device
+        single.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        record["w_clip_single"] = flat(single)
+        unclipped = build(scope=contextlib.nullcontext, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.5))
+        unclipped.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        record["w_unclipped_single"] = flat(unclipped)
+record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-*{os.getpid()}*"))
+record["replicas"] = strategy.num_replicas_in_sync
+with open(os.path.join(out, f"{tag}-rank{rank}.json"), "w") as f:
+    json.dump({k: (v.tolist() if isinstance(v, np.ndarray) else [s.tolist() for s in v] if k.startswith("slots") else v)
+               for k, v in record.items()}, f)
+print("JOB DONE", tag, rank, flush=True)
