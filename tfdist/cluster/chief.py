@@ -6,14 +6,16 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import keras
 
 from tfdist import compat
 from tfdist.cluster.rank import is_chief
 from tfdist.data.epochs import EpochOrder
+from tfdist.sharding.checkpoint import cross_process_engine, gathered_state
 
-__all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle"]
+__all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle", "save_model"]
 
 _BACKUP = re.compile(r"^epoch-(\d+)$")
 
@@ -80,6 +82,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             print(f"tfdist: restored {path}; resuming at epoch {epochs_done + 1}", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
+        # Multi-process ZeRO: the optimizer state is sharded across processes, so every rank joins
+        # one all-gather and the chief writes the full logical state (no-op otherwise).
+        with gathered_state(self.model):
+            self._write(epoch, logs)
+
+    def _write(self, epoch, logs) -> None:
         if not self._chief():
             return  # other workers hold the same state: one copy is enough
         os.makedirs(self.backup_dir, exist_ok=True)
@@ -122,6 +130,24 @@ class ModelCheckpoint(keras.callbacks.Callback):
         super().__init__()
         self.chief = is_chief(strategy)
         self.inner = keras.callbacks.ModelCheckpoint(filepath, *args, **kwargs) if self.chief else None
+        # Multi-process ZeRO (shards in other processes): every rank runs the same checkpoint logic,
+        # since reading the optimizer state is a collective; other ranks write into a private
+        # temporary directory that is emptied after each hook.
+        self._args, self._kwargs, self._filepath = args, kwargs, os.fspath(filepath)
+        self._scratch: str | None = None
+
+    def _engine(self):
+        return cross_process_engine(self.model) if self.model is not None else None
+
+    def _shadow(self):
+        """Non-chief ranks under multi-process ZeRO: an inner callback writing to a scratch directory."""
+        if self.inner is None:
+            self._scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-rank-")
+            path = os.path.join(self._scratch, os.path.basename(self._filepath))
+            self.inner = keras.callbacks.ModelCheckpoint(path, *self._args, **self._kwargs)
+            self.inner.set_model(self.model)
+            if self.params:
+                self.inner.set_params(self.params)
 
     def set_model(self, model):
         super().set_model(model)
@@ -136,7 +162,22 @@ class ModelCheckpoint(keras.callbacks.Callback):
 
 def _forward(name):
     def hook(self, *args, **kwargs):
-        if self.inner is not None:
+        engine = self._engine()
+        if engine is not None:
+            if not self.chief:
+                self._shadow()
+            try:
+                with engine.collective_reads():
+                    return getattr(self.inner, name)(*args, **kwargs)
+            finally:
+                if self._scratch is not None:
+                    for entry in os.listdir(self._scratch):
+                        target = os.path.join(self._scratch, entry)
+                        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+                    if name == "on_train_end":
+                        shutil.rmtree(self._scratch, ignore_errors=True)
+                        self._scratch, self.inner = None, None
+        if self.inner is not None and (self.chief or self._scratch is None):
             return getattr(self.inner, name)(*args, **kwargs)
 
     hook.__name__ = name
@@ -145,6 +186,26 @@ def _forward(name):
 
 for _name in _HOOKS:
     setattr(ModelCheckpoint, _name, _forward(_name))
+
+
+def save_model(model, filepath, strategy=None, **kwargs) -> bool:
+    """`model.save(filepath)` for multi-process jobs: call it on every rank; the chief writes.
+
+    With ZeRO across processes (HorovodStrategy / MultiWorkerMirroredStrategy with zero_stage > 0)
+    the optimizer state is sharded over the ranks, so every rank joins one all-gather first and the
+    file holds the full logical optimizer state (loadable in plain Keras on one device). Without
+    it, only the chief does anything. Returns True on the rank that wrote the file.
+
+    Example:
+        >>> tfdist.cluster.save_model(model, "out/model.keras")   # every rank
+    """
+    chief = is_chief(strategy if strategy is not None else model.distribute_strategy)
+    with gathered_state(model):
+        if chief:
+            if os.path.dirname(os.fspath(filepath)):
+                os.makedirs(os.path.dirname(os.fspath(filepath)), exist_ok=True)
+            model.save(filepath, **kwargs)
+    return chief
 
 
 # Issue 3's name for the per-epoch order; the one implementation lives in the data layer.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -128,6 +129,8 @@ class ZeroEngine:
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
+        self._gathered: dict[str, tf.Tensor] | None = None  # full slots while inside gathered()
+        self._collective_reads = 0  # > 0 inside collective_reads()
         object.__setattr__(optimizer, "_tfdist_zero", self)
         compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
         compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
@@ -228,7 +231,18 @@ class ZeroEngine:
         (as saving on all workers does)."""
         shards = self._slot_shards(slot)
         local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
-        if self.comm.all_local:
+        if self._gathered is not None:
+            start = self.layout.offsets[var]
+            flat = self._gathered[slot][start:start + self.layout.sizes[var]]
+        elif not self.comm.all_local and not getattr(self.comm, "gather_on_read", True) \
+                and not self._collective_reads:
+            raise ConfigError(
+                f"ZeRO stage {self.stage}: reading the optimizer state (e.g. model.save, save_weights, "
+                "tf.train.Checkpoint) needs the shards of every process, so every rank must take part. "
+                "Use tfdist.cluster.save_model(model, path) on every rank (rank 0 writes), "
+                "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
+                "`with tfdist.sharding.gathered_state(model):`.")
+        elif self.comm.all_local:
             parts = []
             for r, piece in self.layout.owners(var):
                 with tf.device(self.state_devices[local[r]]):
@@ -239,6 +253,34 @@ class ZeroEngine:
             flat = self.comm.all_gather([s.value for s in shards])[0][start:start + self.layout.sizes[var]]
         with tf.device(self.config.host_device):
             return tf.reshape(flat, self.layout.shapes[var])
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Collective (every process enters it, in the same order): all-gathers every slot once, so
+        reads inside need no collective and may run on one rank only (the chief writing a file)."""
+        if self.comm.all_local or self._gathered is not None:
+            yield
+            return
+        cache = {}
+        for name in self.slot_names:
+            full = self.comm.all_gather([s.value for s in self.slots[name]])[0]
+            with tf.device(self.config.host_device):
+                cache[name] = tf.identity(full)
+        self._gathered = cache
+        try:
+            yield
+        finally:
+            self._gathered = None
+
+    @contextlib.contextmanager
+    def collective_reads(self):
+        """Allows reads that all-gather one slot each; every process must then read the same slots
+        in the same order (the same save code on every rank)."""
+        self._collective_reads += 1
+        try:
+            yield
+        finally:
+            self._collective_reads -= 1
 
     def write_slot(self, var: int, slot: str, value: tf.Tensor) -> None:
         """Scatters a full value of `slot` for variable `var` into the shards this process owns."""
