@@ -57,10 +57,18 @@ class HorovodShardCollectives(ShardCollectives):
         return out
 
     def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+        flats = []
+        for i, device in enumerate(self.devices):
+            with tf.device(device):
+                flats.append(tf.concat(list(chunks[i]), 0) if len(chunks[i]) > 1 else chunks[i][0])
+        return self.reduce_scatter_flat(flats)
+
+    def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Like reduce_scatter, with each local replica's parts already concatenated in shard order
+        (`flats[i]` = num_shards * shard_size elements): no further copy before Horovod's."""
         m = len(self.devices)
         with tf.device(self.devices[0]):
-            parts = [self._local_sum([chunks[i][r] for i in range(m)]) for r in range(self.num_shards)]
-            flat = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+            flat = self._local_sum(flats)
             if self.size > 1:
                 length = flat.shape[0]
                 flat = self._hvd.reducescatter(tf.identity(flat, name="zero_grads"), op=self._hvd.Sum)

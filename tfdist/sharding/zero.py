@@ -334,6 +334,18 @@ class ZeroEngine:
                     shards.append(self._pieces([g[i] for g in grads], sid))
             self.kept_gradient_bytes = [sum(int(np.prod(g[i].shape)) * g[i].dtype.size for g in grads)
                                         for i in range(n)]
+        elif hasattr(comm, "reduce_scatter_flat"):
+            # One flat (padded) gradient per local replica: a single full-size copy, where per-shard
+            # chunks concatenated again by the collective would make two.
+            flats = []
+            for i, device in enumerate(comm.devices):
+                with tf.device(device):
+                    parts = [tf.reshape(g[i], [-1]) for g in grads]
+                    if layout.padded > layout.total:
+                        parts.append(tf.zeros([layout.padded - layout.total], self.dtype))
+                    flats.append(tf.concat(parts, 0))
+            shards = comm.reduce_scatter_flat(flats)
+            self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         else:
             chunks = []
             for i, device in enumerate(comm.devices):
@@ -350,12 +362,15 @@ class ZeroEngine:
             with tf.device(device):
                 self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
         fulls = comm.all_gather([s.value for s in self.shard_params])
-        sizes = layout.sizes + ([layout.padded - layout.total] if layout.padded > layout.total else [])
         for i, device in enumerate(comm.devices):
             with tf.device(device):
-                parts = tf.split(fulls[i], sizes)
+                # One variable at a time (each slice waits for the previous assign): a full-size
+                # split would hold a second copy of all parameters next to the gathered vector.
+                done = []
                 for j, var in enumerate(params):
-                    var[i].assign(tf.reshape(parts[j], layout.shapes[j]))
+                    with tf.control_dependencies(done):
+                        piece = fulls[i][layout.offsets[j]:layout.offsets[j] + layout.sizes[j]]
+                        done = [var[i].assign(tf.reshape(piece, layout.shapes[j]))]
 
     def _clip(self, shards: list) -> list:
         """Gradient clipping on the *global* (reduced) gradient, whatever the stage.
