@@ -36,6 +36,7 @@ class HorovodShardCollectives(ShardCollectives):
     """
 
     gather_on_read = False  # a rank-0-only model.save would wait forever in hvd.allgather
+    CHUNK_BYTES = 16 * 2**20  # reduce-scatter input per Horovod call
 
     def __init__(self, devices: Sequence[str], rank: int, size: int):
         self._hvd = horovod()
@@ -65,20 +66,36 @@ class HorovodShardCollectives(ShardCollectives):
 
     def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Like reduce_scatter, with each local replica's parts already concatenated in shard order
-        (`flats[i]` = num_shards * shard_size elements): no further copy before Horovod's."""
+        (`flats[i]` = num_shards * shard_size elements).
+
+        Sent in chunks of about CHUNK_BYTES, one after the other: Horovod's reducescatter (Gloo, CPU)
+        holds about 3x its input in temporaries (measured: +287 MiB peak RSS for a 100 MB tensor, +61
+        MiB in 8 chunks), so one call over the whole gradient would cost more memory than ZeRO-2 saves.
+        """
         m = len(self.devices)
         with tf.device(self.devices[0]):
             flat = self._local_sum(flats)
-            if self.size > 1:
-                length = flat.shape[0]
-                flat = self._hvd.reducescatter(tf.identity(flat, name="zero_grads"), op=self._hvd.Sum)
-                if length is not None:  # Horovod leaves the static shape unknown in graphs
-                    flat = tf.reshape(flat, [length // self.size])
-            mine = tf.split(flat, m) if m > 1 else [flat]
+            if self.size == 1:
+                mine = tf.split(flat, m) if m > 1 else [flat]
+            else:
+                shard = int(flat.shape[0]) // self.num_shards
+                chunk = max(1, min(shard, self.CHUNK_BYTES // (flat.dtype.size * self.num_shards)))
+                pieces: list[list[tf.Tensor]] = [[] for _ in range(m)]
+                done: list = []
+                for start in range(0, shard, chunk):
+                    stop = min(start + chunk, shard)
+                    with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
+                        part = tf.concat([flat[r * shard + start:r * shard + stop] for r in range(self.num_shards)], 0)
+                        got = self._hvd.reducescatter(tf.identity(part, name="zero_grads"), op=self._hvd.Sum)
+                        got = tf.reshape(got, [m * (stop - start)])  # static shape (Horovod leaves it unknown)
+                    done = [got]
+                    for i, p in enumerate(tf.split(got, m) if m > 1 else [got]):
+                        pieces[i].append(p)
+                mine = [tf.concat(p, 0) if len(p) > 1 else p[0] for p in pieces]
         out = []
-        for device, shard in zip(self.devices, mine):
+        for device, shard_value in zip(self.devices, mine):
             with tf.device(device):
-                out.append(tf.identity(shard))
+                out.append(tf.identity(shard_value))
         return out
 
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
