@@ -148,3 +148,29 @@ def test_tfdist_train_strategy_horovod_zero_stage_2_two_local_devices(tmp_path):
     digests = {line.split("sha256 ")[1] for line in log.splitlines() if "final weights sha256" in line}
     assert len(digests) == 1, log[-3000:]  # both ranks end bit-identical
     assert saved.exists()
+
+
+def test_bad_input_gives_config_errors(python):
+    out = python("""
+        import numpy as np, keras, tfdist
+        from tfdist.errors import ConfigError
+        for kwargs, words in (({"zero_stage": 3}, "supported stages are {0, 1, 2}"),
+                              ({"zero_stage": "1"}, "not supported"),
+                              ({"offload": True}, "needs zero_stage=1 or 2")):
+            try:
+                tfdist.HorovodStrategy(**kwargs)
+                raise SystemExit(f"no error for {kwargs}")
+            except ConfigError as err:
+                assert words in str(err), (kwargs, str(err))
+        strategy = tfdist.HorovodStrategy(zero_stage=1)   # a one-process job (no launcher)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.Nadam(), loss="mse")
+        try:
+            model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+            raise SystemExit("Nadam accepted")
+        except ConfigError as err:
+            assert "cannot shard optimizer Nadam" in str(err), str(err)
+        print("bad-input-ok")
+    """)
+    assert "bad-input-ok" in out.stdout
