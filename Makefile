@@ -23,7 +23,7 @@ APT_PACKAGES += slurm-wlm munge
 APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
 HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero bench-zero-horovod
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -87,6 +87,11 @@ clean:
 # ZeRO stages 0/1/2: per-replica memory vs formula, peak RSS per stage, step-time ratios (issue 5)
 bench-zero: setup
 	$(BIN)/tfdist bench zero --json $(OUT)/bench_zero.json --png $(OUT)/bench_zero.png
+
+# ZeRO stages 0/1/2 as 2 real Horovod processes: peak RSS per process vs the (N-1)/N theory, step time (issue 5)
+bench-zero-horovod: setup horovod
+	$(BIN)/tfdist bench zero --processes 2 --backend horovod --json $(OUT)/bench_zero_horovod.json \
+		--png $(OUT)/bench_zero_horovod.png
 
 # All-reduce bus bandwidth between 2 local processes (TF RING over gRPC)
 bench: bench-allreduce

@@ -23,6 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--big-steps", type=int, default=4, help="timed steps per block on the big MLP (0: skip)")
     p.add_argument("--big-rounds", type=int, default=3, help="interleaved blocks per stage on the big MLP")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    p.add_argument("--processes", type=int, default=1,
+                   help="> 1: run each stage as that many real processes (peak RSS per process, step time)")
+    p.add_argument("--backend", default="horovod", choices=("horovod", "tf"),
+                   help="with --processes: launcher backend (horovod: HorovodStrategy; tf: MultiWorkerMirroredStrategy)")
+    p.add_argument("--proc-steps", type=int, default=10, help="with --processes: timed steps per stage")
+    p.add_argument("--proc-batch-size", type=int, default=64, help="with --processes: global batch size")
     p.add_argument("--json", default="bench_zero.json", help="where to write the JSON record")
     p.add_argument("--png", default="bench_zero.png", help="where to write the figure ('' to skip)")
 
@@ -143,6 +149,17 @@ def _time_stages(make_model, loss, data, replicas: int, steps: int, rounds: int,
 def run(args: argparse.Namespace) -> int:
     import tfdist
     from tfdist.bench.common import machine, write_json
+
+    if args.processes > 1:  # real processes: one launch per stage (tfdist.bench.zero_procs)
+        from tfdist.bench import zero_procs
+
+        record = {"benchmark": NAME, "mode": "processes", "optimizer": "Adam",
+                  "memory_model": f"mlp width {args.width}", **zero_procs.run_processes(args),
+                  "target_step_ratio_max": 1.10, "machine": machine()}
+        write_json(args.json, record)
+        if args.png:
+            zero_procs.plot(record, args.png)
+        return 0
     from tfdist.strategies.factory import local_replica_devices
 
     local_replica_devices(args.replicas)  # sets up logical CPUs before TF initialises

@@ -9,7 +9,7 @@ import platform
 import time
 
 # Strategies whose builder takes zero_stage (tfdist.sharding); extend when another one gains it.
-ZERO_STRATEGIES = ("mirrored", "multiworker")
+ZERO_STRATEGIES = ("mirrored", "multiworker", "horovod")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,11 +115,14 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
+    if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
+        from tfdist.cluster.chief import save_model
+
+        if save_model(model, args.save, strategy):
+            print(f"wrote {args.save}")
     if not chief:
-        if args.save:  # ZeRO across processes: every worker takes part in gathering the optimizer state
-            tfdist.cluster.save_model(model, args.save, strategy)
         return 0
-    for path in (args.plot, args.json, args.save):
+    for path in (args.plot, args.json):
         if path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
     if args.plot:
@@ -129,9 +132,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
         print(f"wrote {args.json}")
-    if args.save:
-        model.save(args.save)
-        print(f"wrote {args.save}")
     return 0
 
 

@@ -12,6 +12,7 @@ _LAZY = {
     "BackupAndRestore": "tfdist.cluster.chief",
     "ModelCheckpoint": "tfdist.cluster.chief",
     "EpochShuffle": "tfdist.cluster.chief",
+    "save_model": "tfdist.cluster.chief",
     "WorkerLostError": "tfdist.cluster.faults",
     "launch": "tfdist.cluster.launcher",
     "parse_tf_config": "tfdist.cluster.tf_config",

@@ -13,6 +13,7 @@ import keras
 from tfdist import compat
 from tfdist.cluster.rank import is_chief
 from tfdist.data.epochs import EpochOrder
+from tfdist.sharding.checkpoint import cross_process_engine, gathered_state
 
 __all__ = ["BackupAndRestore", "ModelCheckpoint", "EpochShuffle", "save_model"]
 
@@ -81,10 +82,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             print(f"tfdist: restored {path}; resuming at epoch {epochs_done + 1}", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
+        # Multi-process ZeRO: the optimizer state is sharded across processes, so every rank joins
+        # one all-gather and the chief writes the full logical state (no-op otherwise).
+        with gathered_state(self.model):
+            self._write(epoch, logs)
+
+    def _write(self, epoch, logs) -> None:
         if not self._chief():
-            if needs_every_worker(self.model):  # ZeRO shards in this process: help the chief gather them
-                with tempfile.TemporaryDirectory(prefix="tfdist-backup-") as tmp:
-                    self.model.save_weights(os.path.join(tmp, "state.weights.h5"))
             return  # other workers hold the same state: one copy is enough
         os.makedirs(self.backup_dir, exist_ok=True)
         tmp = os.path.join(self.backup_dir, f".tmp-epoch-{epoch + 1}-{os.getpid()}")
@@ -112,14 +116,11 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "o
 
 
 class ModelCheckpoint(keras.callbacks.Callback):
-    """`keras.callbacks.ModelCheckpoint` that saves on the chief only; other workers keep nothing.
+    """`keras.callbacks.ModelCheckpoint` that saves on the chief only; other workers write nothing.
 
     Takes the same arguments as `keras.callbacks.ModelCheckpoint`, plus `strategy` (who is chief).
     All workers hold identical weights and identical (all-reduced) metrics, so the chief's copy is
-    the model, and "save_best_only" decides the same way everywhere. When the optimizer state is
-    sharded across processes (ZeRO under a multi-process strategy), the other workers save along
-    with the chief into a temporary directory that is deleted at once: reading the full state
-    gathers every worker's shards, so all of them must take part.
+    the model, and "save_best_only" decides the same way everywhere.
 
     Example:
         >>> ckpt = tfdist.cluster.ModelCheckpoint("out/best.keras", monitor="val_loss", save_best_only=True)
@@ -129,38 +130,55 @@ class ModelCheckpoint(keras.callbacks.Callback):
         super().__init__()
         self.chief = is_chief(strategy)
         self.inner = keras.callbacks.ModelCheckpoint(filepath, *args, **kwargs) if self.chief else None
-        # Non-chief: the same callback writing into a scratch directory (created by Keras when it
-        # saves, removed right after), used only under cross-process ZeRO.
-        self._scratch = None if self.chief else os.path.join(tempfile.gettempdir(),
-                                                              f"tfdist-ckpt-{os.getpid()}-{id(self):x}")
-        self.helper = None if self.chief else keras.callbacks.ModelCheckpoint(
-            os.path.join(self._scratch, os.path.basename(os.fspath(filepath))), *args, **kwargs)
+        # Multi-process ZeRO (shards in other processes): every rank runs the same checkpoint logic,
+        # since reading the optimizer state is a collective; other ranks write into a private
+        # temporary directory that is emptied after each hook.
+        self._args, self._kwargs, self._filepath = args, kwargs, os.fspath(filepath)
+        self._scratch: str | None = None
+
+    def _engine(self):
+        return cross_process_engine(self.model) if self.model is not None else None
+
+    def _shadow(self):
+        """Non-chief ranks under multi-process ZeRO: an inner callback writing to a scratch directory."""
+        if self.inner is None:
+            self._scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-rank-")
+            path = os.path.join(self._scratch, os.path.basename(self._filepath))
+            self.inner = keras.callbacks.ModelCheckpoint(path, *self._args, **self._kwargs)
+            self.inner.set_model(self.model)
+            if self.params:
+                self.inner.set_params(self.params)
 
     def set_model(self, model):
         super().set_model(model)
-        for cb in (self.inner, self.helper):
-            if cb is not None:
-                cb.set_model(model)
+        if self.inner is not None:
+            self.inner.set_model(model)
 
     def set_params(self, params):
         super().set_params(params)
-        for cb in (self.inner, self.helper):
-            if cb is not None:
-                cb.set_params(params)
-
-    def _drop_scratch(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self.inner is not None:
+            self.inner.set_params(params)
 
 
 def _forward(name):
     def hook(self, *args, **kwargs):
-        if self.inner is not None:
-            return getattr(self.inner, name)(*args, **kwargs)
-        if self.helper is not None and needs_every_worker(self.model):
+        engine = self._engine()
+        if engine is not None:
+            if not self.chief:
+                self._shadow()
             try:
-                getattr(self.helper, name)(*args, **kwargs)
+                with engine.collective_reads():
+                    return getattr(self.inner, name)(*args, **kwargs)
             finally:
-                self._drop_scratch()
+                if self._scratch is not None:
+                    for entry in os.listdir(self._scratch):
+                        target = os.path.join(self._scratch, entry)
+                        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+                    if name == "on_train_end":
+                        shutil.rmtree(self._scratch, ignore_errors=True)
+                        self._scratch, self.inner = None, None
+        if self.inner is not None and (self.chief or self._scratch is None):
+            return getattr(self.inner, name)(*args, **kwargs)
 
     hook.__name__ = name
     return hook
@@ -170,33 +188,24 @@ for _name in _HOOKS:
     setattr(ModelCheckpoint, _name, _forward(_name))
 
 
-def needs_every_worker(model) -> bool:
-    """True when saving `model` needs every worker: its optimizer state is sharded across processes."""
-    from tfdist.sharding.checkpoint import shards_in_other_processes
+def save_model(model, filepath, strategy=None, **kwargs) -> bool:
+    """`model.save(filepath)` for multi-process jobs: call it on every rank; the chief writes.
 
-    return model is not None and shards_in_other_processes(getattr(model, "optimizer", None))
-
-
-def save_model(model: keras.Model, filepath: str, strategy=None, **kwargs) -> str | None:
-    """`model.save(filepath)` in a multi-worker job: call it on every worker.
-
-    The chief writes `filepath`. When the optimizer state is sharded across processes (ZeRO under
-    MultiWorkerMirroredStrategy or HorovodStrategy), the other workers save too, into a temporary
-    file they delete at once: reading the full optimizer state gathers every worker's shards.
-    Otherwise they do nothing. Returns the path written, or None on the other workers.
+    With ZeRO across processes (HorovodStrategy / MultiWorkerMirroredStrategy with zero_stage > 0)
+    the optimizer state is sharded over the ranks, so every rank joins one all-gather first and the
+    file holds the full logical optimizer state (loadable in plain Keras on one device). Without
+    it, only the chief does anything. Returns True on the rank that wrote the file.
 
     Example:
-        >>> tfdist.cluster.save_model(model, "out/model.keras")   # every worker runs this line
+        >>> tfdist.cluster.save_model(model, "out/model.keras")   # every rank
     """
-    if strategy is None:
-        strategy = getattr(model, "distribute_strategy", None)
-    if is_chief(strategy):
-        model.save(filepath, **kwargs)
-        return os.fspath(filepath)
-    if needs_every_worker(model):
-        with tempfile.TemporaryDirectory(prefix="tfdist-save-") as tmp:
-            model.save(os.path.join(tmp, os.path.basename(os.fspath(filepath))), **kwargs)
-    return None
+    chief = is_chief(strategy if strategy is not None else model.distribute_strategy)
+    with gathered_state(model):
+        if chief:
+            if os.path.dirname(os.fspath(filepath)):
+                os.makedirs(os.path.dirname(os.fspath(filepath)), exist_ok=True)
+            model.save(filepath, **kwargs)
+    return chief
 
 
 # Issue 3's name for the per-epoch order; the one implementation lives in the data layer.

@@ -1,9 +1,10 @@
 """Who owns optimizer and gradient state: ZeRO stages, offload, checkpoint resharding."""
 
+from tfdist.sharding.checkpoint import gathered_state
 from tfdist.sharding.collectives import LocalCollectives, ShardCollectives
 from tfdist.sharding.layout import FlatLayout
 from tfdist.sharding.memory import MemoryReport, zero_formula
 from tfdist.sharding.zero import SUPPORTED_STAGES, ZeroConfig, register_elementwise
 
 __all__ = ["FlatLayout", "LocalCollectives", "MemoryReport", "SUPPORTED_STAGES", "ShardCollectives", "ZeroConfig",
-           "register_elementwise", "zero_formula"]
+           "gathered_state", "register_elementwise", "zero_formula"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,7 +14,7 @@ from tfdist.errors import ConfigError
 if TYPE_CHECKING:
     from tfdist.sharding.zero import ZeroEngine
 
-__all__ = ["LogicalSlot", "load_own_variables_strict"]
+__all__ = ["LogicalSlot", "load_own_variables_strict", "gathered_state", "cross_process_engine"]
 
 
 class LogicalSlot(compat.SavedTensor):
@@ -75,9 +76,28 @@ def load_own_variables_strict(self, store):
         variable.assign(value)
 
 
-def shards_in_other_processes(optimizer) -> bool:
-    """True when `optimizer` is a ZeRO optimizer whose state is partly held by other processes:
-    reading its full state (saving) then needs every process to take part."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
-    engine = getattr(optimizer, "_tfdist_zero", None)
-    return engine is not None and not engine.comm.all_local
+def cross_process_engine(model_or_optimizer) -> ZeroEngine | None:
+    """The ZeRO engine of a model's optimizer when some of its shards live in other processes, else None."""
+    opt = getattr(model_or_optimizer, "optimizer", model_or_optimizer)
+    opt = getattr(opt, "inner_optimizer", opt)  # LossScaleOptimizer
+    engine = getattr(opt, "_tfdist_zero", None)
+    return engine if engine is not None and not engine.comm.all_local else None
+
+
+@contextlib.contextmanager
+def gathered_state(model_or_optimizer):
+    """Collective: inside it, the full optimizer state of a multi-process ZeRO run is readable on
+    every rank without further collectives (for saving on the chief only). Every rank must enter
+    it at the same point; without multi-process ZeRO it does nothing.
+
+    Example:
+        >>> with tfdist.sharding.gathered_state(model):   # on every rank
+        ...     if strategy.is_chief:
+        ...         model.save("model.keras")             # full logical Adam state, plain-Keras loadable
+    """
+    engine = cross_process_engine(model_or_optimizer)
+    if engine is None:
+        yield
+        return
+    with engine.gathered():
+        yield

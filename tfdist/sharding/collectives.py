@@ -33,6 +33,9 @@ class ShardCollectives(abc.ABC):
     shard_ids: Sequence[int]
     #: total number of shards (= replicas in sync)
     num_shards: int
+    #: whether a read of one slot may all-gather on its own (False: only inside the engine's
+    #: gathered()/collective_reads(), so a save on one rank alone fails clearly instead of hanging)
+    gather_on_read: bool = True
 
     @abc.abstractmethod
     def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:

@@ -136,8 +136,8 @@ def memory_report(strategy, model) -> MemoryReport:
                     add(c.device, "optimizer_state", _nbytes(c))
         for s in engine.shard_params:
             add(s.value.device, "shard_buffer", _nbytes(s))
-        full = sum(_nbytes(v) for vs in engine.slots.values() for v in vs)
-        full = full * engine.layout.num_shards // max(1, len(engine.shard_params))  # other processes' shards too
+        full = sum(_nbytes(v) for vs in engine.slots.values() for v in vs)  # this process's shards
+        full = full * engine.layout.num_shards // len(engine.shard_params)  # all processes' shards
         full = full * num_params // max(1, engine.layout.padded)
         if engine.kept_gradient_bytes is not None:
             for device, nbytes in zip(engine.comm.devices, engine.kept_gradient_bytes):
@@ -148,7 +148,7 @@ def memory_report(strategy, model) -> MemoryReport:
         else:
             source = "not measured yet (run at least one training step)"
     state_bytes = int(round(full / max(1, num_params)))
-    replicas = strategy.num_replicas_in_sync  # rows: this process's replicas; the formula: all of them
+    replicas = strategy.num_replicas_in_sync  # all processes' replicas (the formula's N)
     report = MemoryReport(stage=stage, replicas=replicas, num_params=num_params, state_bytes_per_param=state_bytes,
                           rows=list(rows.values()), gradients_source=source)
     report.formula = zero_formula(num_params, replicas, stage, state_bytes=state_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -128,6 +129,8 @@ class ZeroEngine:
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
+        self._gathered: dict[str, tf.Tensor] | None = None  # full slots while inside gathered()
+        self._collective_reads = 0  # > 0 inside collective_reads()
         object.__setattr__(optimizer, "_tfdist_zero", self)
         compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
         compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
@@ -228,7 +231,18 @@ class ZeroEngine:
         (as saving on all workers does)."""
         shards = self._slot_shards(slot)
         local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
-        if self.comm.all_local:
+        if self._gathered is not None:
+            start = self.layout.offsets[var]
+            flat = self._gathered[slot][start:start + self.layout.sizes[var]]
+        elif not self.comm.all_local and not getattr(self.comm, "gather_on_read", True) \
+                and not self._collective_reads:
+            raise ConfigError(
+                f"ZeRO stage {self.stage}: reading the optimizer state (e.g. model.save, save_weights, "
+                "tf.train.Checkpoint) needs the shards of every process, so every rank must take part. "
+                "Use tfdist.cluster.save_model(model, path) on every rank (rank 0 writes), "
+                "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
+                "`with tfdist.sharding.gathered_state(model):`.")
+        elif self.comm.all_local:
             parts = []
             for r, piece in self.layout.owners(var):
                 with tf.device(self.state_devices[local[r]]):
@@ -248,6 +262,34 @@ class ZeroEngine:
             flat = tf.concat([gathered[r * window:r * window + p.size] for r, p in owners], 0)
         with tf.device(self.config.host_device):
             return tf.reshape(flat, self.layout.shapes[var])
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Collective (every process enters it, in the same order): all-gathers every slot once, so
+        reads inside need no collective and may run on one rank only (the chief writing a file)."""
+        if self.comm.all_local or self._gathered is not None:
+            yield
+            return
+        cache = {}
+        for name in self.slot_names:
+            full = self.comm.all_gather([s.value for s in self.slots[name]])[0]
+            with tf.device(self.config.host_device):
+                cache[name] = tf.identity(full)
+        self._gathered = cache
+        try:
+            yield
+        finally:
+            self._gathered = None
+
+    @contextlib.contextmanager
+    def collective_reads(self):
+        """Allows reads that all-gather one slot each; every process must then read the same slots
+        in the same order (the same save code on every rank)."""
+        self._collective_reads += 1
+        try:
+            yield
+        finally:
+            self._collective_reads -= 1
 
     def write_slot(self, var: int, slot: str, value: tf.Tensor) -> None:
         """Scatters a full value of `slot` for variable `var` into the shards this process owns."""
@@ -301,6 +343,18 @@ class ZeroEngine:
                     shards.append(self._pieces([g[i] for g in grads], sid))
             self.kept_gradient_bytes = [sum(int(np.prod(g[i].shape)) * g[i].dtype.size for g in grads)
                                         for i in range(n)]
+        elif hasattr(comm, "reduce_scatter_flat"):
+            # One flat (padded) gradient per local replica: a single full-size copy, where per-shard
+            # chunks concatenated again by the collective would make two.
+            flats = []
+            for i, device in enumerate(comm.devices):
+                with tf.device(device):
+                    parts = [tf.reshape(g[i], [-1]) for g in grads]
+                    if layout.padded > layout.total:
+                        parts.append(tf.zeros([layout.padded - layout.total], self.dtype))
+                    flats.append(tf.concat(parts, 0))
+            shards = comm.reduce_scatter_flat(flats)
+            self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         else:
             chunks = []
             for i, device in enumerate(comm.devices):
@@ -317,12 +371,15 @@ class ZeroEngine:
             with tf.device(device):
                 self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
         fulls = comm.all_gather([s.value for s in self.shard_params])
-        sizes = layout.sizes + ([layout.padded - layout.total] if layout.padded > layout.total else [])
         for i, device in enumerate(comm.devices):
             with tf.device(device):
-                parts = tf.split(fulls[i], sizes)
+                # One variable at a time (each slice waits for the previous assign): a full-size
+                # split would hold a second copy of all parameters next to the gathered vector.
+                done = []
                 for j, var in enumerate(params):
-                    var[i].assign(tf.reshape(parts[j], layout.shapes[j]))
+                    with tf.control_dependencies(done):
+                        piece = fulls[i][layout.offsets[j]:layout.offsets[j] + layout.sizes[j]]
+                        done = [var[i].assign(tf.reshape(piece, layout.shapes[j]))]
 
     def _clip(self, shards: list) -> list:
         """Gradient clipping on the *global* (reduced) gradient, whatever the stage.

@@ -13,6 +13,8 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.comm.horovod import CPU_FUSION_THRESHOLD_MB, HorovodAllReduce, check_options, init_horovod
 from tfdist.errors import ConfigError
+from tfdist.sharding import zero
+from tfdist.sharding.memory import MemoryReport, memory_report
 
 __all__ = ["HorovodStrategy", "launched_by"]
 
@@ -89,6 +91,14 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         op: 'average' (default; the usual data-parallel mean gradient), 'sum' or 'adasum' (MPI only).
         require_launcher: raise ConfigError when no launcher started this process (default: run as
             a one-process job).
+        zero_stage: 0 (plain data parallel), 1 (optimizer state sharded across all replicas of all
+            processes: each rank keeps 1/N of it) or 2 (gradients reduce-scattered too), as in
+            `tfdist.MirroredStrategy`. The shards move with `hvd.reducescatter` / `hvd.allgather`
+            (tfdist.comm.horovod_shards). Saving a model or checkpoint gathers the full optimizer state:
+            with zero_stage > 0 every rank must take part (tfdist.cluster.ModelCheckpoint,
+            BackupAndRestore and `tfdist.cluster.save_model` do that; a bare `model.save` on rank 0
+            alone is refused with a ConfigError instead of hanging).
+        offload: keep the owned optimizer shards in host memory (needs zero_stage 1 or 2).
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -100,6 +110,15 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         >>> model.fit(data.train, epochs=3, verbose=2 if strategy.is_chief else 0)
         >>> if strategy.is_chief:
         ...     model.save("cnn.keras")
+
+    ZeRO (each of the 2 ranks keeps half of Adam's state; `tfdist train --strategy horovod --zero-stage 2`):
+        >>> strategy = tfdist.HorovodStrategy(zero_stage=2)
+        >>> with strategy.scope():
+        ...     model = tfdist.models.cnn()
+        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        >>> model.fit(data.train, epochs=3, verbose=0)
+        >>> print(strategy.memory_report(model))          # this rank's bytes, read from the variables
+        >>> tfdist.cluster.save_model(model, "cnn.keras")  # on every rank: gathers; rank 0 writes
     """
 
     def __init__(
@@ -109,8 +128,16 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         fusion_threshold_mb: float | None = None,
         op: str = "average",
         require_launcher: bool = False,
+        zero_stage: int = 0,
+        offload: bool = False,
     ):
         check_options(compression, op)
+        self.zero_stage = zero.check_stage(zero_stage)
+        if not isinstance(offload, bool):
+            raise ConfigError(f"offload must be True or False, got {offload!r}.")
+        if offload and self.zero_stage == 0:
+            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
+        self.offload = offload
         if require_launcher and launched_by() is None:
             raise ConfigError(
                 "HorovodStrategy(require_launcher=True): this process was not started by a Horovod/MPI "
@@ -144,6 +171,26 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         ops = HorovodAllReduce(self.size, self.size * len(devices), compression=compression, op=op)
         tf.distribute.Strategy.__init__(self, _HorovodExtended(self, devices, ops, hvd))
         self.compression, self.op = compression, op
+        self._zero = None
+        if self.zero_stage:
+            from tfdist.comm.horovod_shards import HorovodShardCollectives
+
+            comm = HorovodShardCollectives(self.extended.worker_devices, self.rank, self.size)
+            self._zero = zero.ZeroConfig(self.zero_stage, offload, comm)
+        zero.enable()  # also gives stage 0 a clear error for an optimizer created outside the scope
+
+    def _tfdist_zero_config(self) -> zero.ZeroConfig | None:
+        # Read by the optimizer build hook (tfdist.sharding.zero) to decide whether to shard.
+        return self._zero
+
+    def memory_report(self, model) -> MemoryReport:
+        """This process's per-replica bytes of parameters, gradients and optimizer state of `model`.
+
+        Read from the devices and shapes of the variables (and of the gradient tensors the traced
+        step keeps), next to the ZeRO formula values for all `num_replicas_in_sync` replicas.
+        Call it after the optimizer is built (after the first `fit` step).
+        """
+        return memory_report(self, model)
 
     @property
     def is_chief(self) -> bool:
@@ -152,7 +199,8 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
 
     def __repr__(self) -> str:
         return (f"HorovodStrategy(rank={self.rank}, size={self.size}, local_devices={self.extended.worker_devices}, "
-                f"compression={self.compression!r}, op={self.op!r})")
+                f"compression={self.compression!r}, op={self.op!r}"
+                + (f", zero_stage={self.zero_stage}" if self.zero_stage else "") + ")")
 
 
 class _HorovodExtended(compat.mirrored_extended_class()):

@@ -1,0 +1,99 @@
+"""One rank of the Horovod ZeRO tests: `python zero_horovod_worker.py OUT_DIR` under a 2-process launcher.
+
+In one process, in order: stages 0, 1, 2 each train the same small CNN for 20 Adam steps and save
+(`tfdist.cluster.save_model` on every rank; ModelCheckpoint / BackupAndRestore during the fit of
+stages 2 / 1); a rank-0-only `model.save` under ZeRO must fail clearly; then the stage-0 file is
+loaded into stages 0, 1, 2 and training continues for 4 steps. Everything the test compares goes
+to OUT_DIR (rank{r}.json, *.npz, *.keras).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(256, 8, 8, 1)).astype("float32")
+Y = RNG.integers(0, 10, 256)
+
+
+def main() -> int:
+    out = sys.argv[1]
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.errors import ConfigError
+
+    os.makedirs(out, exist_ok=True)
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
+    record: dict = {"stages": {}, "continue": {}}
+    rank = None
+
+    def state(model) -> list[np.ndarray]:
+        with tfdist.sharding.gathered_state(model):  # every rank: reading sharded state is collective
+            return [np.asarray(v.numpy()) for v in model.optimizer.variables]
+
+    for stage in (0, 1, 2):
+        strategy = tfdist.HorovodStrategy(zero_stage=stage)
+        rank = strategy.rank
+        with strategy.scope():
+            model = tfdist.models.cnn((8, 8, 1), 10, filters=(4, 8), dense_units=16, seed=0)
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+        callbacks = []
+        if stage == 2:
+            callbacks.append(tfdist.cluster.ModelCheckpoint(os.path.join(out, "s2_ep{epoch}.keras")))
+        if stage == 1:
+            callbacks.append(tfdist.cluster.BackupAndRestore(os.path.join(out, "backup_s1"), delete_on_success=False))
+        print(f"stage {stage}: fit", flush=True)
+        model.fit(ds, epochs=5, shuffle=False, verbose=0, callbacks=callbacks)
+        print(f"stage {stage}: fitted", flush=True)
+        info: dict = {"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
+                      "memory": strategy.memory_report(model).to_dict()}
+        engine = getattr(model.optimizer, "_tfdist_zero", None)
+        if engine is not None:
+            info["shard_ids"] = list(engine.comm.shard_ids)
+            info["num_shards"] = engine.comm.num_shards
+            info["num_params"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+            info["slots"] = {name: [{"shape": list(v.shape), "device": v.value.device,
+                                     "distributed": isinstance(v.value, tf.distribute.DistributedValues)}
+                                    for v in vs] for name, vs in engine.slots.items()}
+            if rank == 0:  # the usual "save on rank 0" pattern must fail clearly, not hang
+                try:
+                    model.save(os.path.join(out, "rank0_only.keras"))
+                    info["rank0_only_save"] = "saved"
+                except ConfigError as err:
+                    info["rank0_only_save"] = str(err)
+        np.savez(os.path.join(out, f"s{stage}_rank{rank}.npz"), *model.get_weights())
+        np.savez(os.path.join(out, f"s{stage}_state_rank{rank}.npz"), *state(model))
+        tfdist.cluster.save_model(model, os.path.join(out, f"stage{stage}.keras"))
+        record["stages"][stage] = info
+        del model, strategy
+
+    saved = os.path.join(out, "stage0.keras")
+    for stage in (0, 1, 2):
+        strategy = tfdist.HorovodStrategy(zero_stage=stage)
+        with strategy.scope():
+            model = keras.models.load_model(saved)
+        ref = np.load(os.path.join(out, f"s0_state_rank{rank}.npz"))
+        loaded = state(model)
+        record["continue"][stage] = {
+            "state_max_diff": max(float(np.abs(a - ref[f"arr_{i}"]).max()) for i, a in enumerate(loaded)),
+            "state_count": [len(loaded), len(ref.files)]}
+        model.fit(ds, epochs=1, shuffle=False, verbose=0)
+        np.savez(os.path.join(out, f"cont{stage}_rank{rank}.npz"), *model.get_weights())
+        del model, strategy
+
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    print(f"rank {rank}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""HorovodShardCollectives: ZeRO's reduce-scatter / all-gather / all-reduce across Horovod processes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tfdist.comm.horovod import horovod
+from tfdist.sharding.collectives import ShardCollectives
+
+__all__ = ["HorovodShardCollectives"]
+
+
+class HorovodShardCollectives(ShardCollectives):
+    """ShardCollectives for `tfdist.HorovodStrategy`: M local replicas per process, P processes.
+
+    Global replica (= shard) index of local replica i on rank p is p * M + i, as the strategy numbers
+    its replicas. Each method first combines the M local values on this process (a local sum or
+    concatenation), then makes one Horovod call across the processes:
+    - reduce_scatter: the local sums of all N = P * M shard parts, concatenated in global shard order,
+      go through `hvd.reducescatter(op=Sum)`; rank p receives the M consecutive shards it owns. That
+      is the sum over every replica of every process, and per process it moves (P-1)/P of the
+      gradient once, like a ring reduce-scatter.
+    - all_gather: the M local shards, concatenated, through `hvd.allgather` (rank order = shard order).
+    - all_reduce_sum: local sum, then `hvd.allreduce(op=Sum)`.
+    The results are copied to every local device. Works eagerly and inside tf.function. Horovod
+    matches ops across ranks by name (in graphs: derived from the input tensor's name), so every
+    input first goes through an identity with a rank-independent name (the shard variables'
+    names contain the shard index, which would give each rank a different op name: a hang).
+
+    Example (under `horovodrun -np 2`):
+        >>> comm = HorovodShardCollectives(["/cpu:0"], rank=hvd.rank(), size=hvd.size())
+        >>> comm.shard_ids, comm.num_shards
+        ([0], 2)   # on rank 0; [1] on rank 1
+    """
+
+    gather_on_read = False  # a rank-0-only model.save would wait forever in hvd.allgather
+    CHUNK_BYTES = 16 * 2**20  # reduce-scatter input per Horovod call
+
+    def __init__(self, devices: Sequence[str], rank: int, size: int):
+        self._hvd = horovod()
+        self.devices = list(devices)
+        m = len(self.devices)
+        self.rank, self.size = int(rank), int(size)
+        self.shard_ids = [self.rank * m + i for i in range(m)]
+        self.num_shards = self.size * m
+
+    def _local_sum(self, values: Sequence[tf.Tensor]) -> tf.Tensor:
+        values = list(values)
+        return values[0] if len(values) == 1 else tf.add_n([tf.identity(v) for v in values])
+
+    def _to_devices(self, value: tf.Tensor) -> list[tf.Tensor]:
+        out = []
+        for device in self.devices:
+            with tf.device(device):
+                out.append(tf.identity(value))
+        return out
+
+    def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+        flats = []
+        for i, device in enumerate(self.devices):
+            with tf.device(device):
+                flats.append(tf.concat(list(chunks[i]), 0) if len(chunks[i]) > 1 else chunks[i][0])
+        return self.reduce_scatter_flat(flats)
+
+    def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Like reduce_scatter, with each local replica's parts already concatenated in shard order
+        (`flats[i]` = num_shards * shard_size elements).
+
+        Sent in chunks of about CHUNK_BYTES, one after the other: Horovod's reducescatter (Gloo, CPU)
+        holds about 3x its input in temporaries (measured: +287 MiB peak RSS for a 100 MB tensor, +61
+        MiB in 8 chunks), so one call over the whole gradient would cost more memory than ZeRO-2 saves.
+        """
+        m = len(self.devices)
+        with tf.device(self.devices[0]):
+            flat = self._local_sum(flats)
+            if self.size == 1:
+                mine = tf.split(flat, m) if m > 1 else [flat]
+            else:
+                shard = int(flat.shape[0]) // self.num_shards
+                chunk = max(1, min(shard, self.CHUNK_BYTES // (flat.dtype.size * self.num_shards)))
+                pieces: list[list[tf.Tensor]] = [[] for _ in range(m)]
+                done: list = []
+                for start in range(0, shard, chunk):
+                    stop = min(start + chunk, shard)
+                    with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
+                        part = tf.concat([flat[r * shard + start:r * shard + stop] for r in range(self.num_shards)], 0)
+                        got = self._hvd.reducescatter(tf.identity(part, name="zero_grads"), op=self._hvd.Sum)
+                        got = tf.reshape(got, [m * (stop - start)])  # static shape (Horovod leaves it unknown)
+                    done = [got]
+                    for i, p in enumerate(tf.split(got, m) if m > 1 else [got]):
+                        pieces[i].append(p)
+                mine = [tf.concat(p, 0) if len(p) > 1 else p[0] for p in pieces]
+        out = []
+        for device, shard_value in zip(self.devices, mine):
+            with tf.device(device):
+                out.append(tf.identity(shard_value))
+        return out
+
+    def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        with tf.device(self.devices[0]):
+            local = tf.concat([tf.identity(s) for s in shards], 0) if len(shards) > 1 else shards[0]
+            full = self._hvd.allgather(tf.identity(local, name="zero_shard")) if self.size > 1 else local
+            if local.shape[0] is not None:
+                full = tf.reshape(full, [local.shape[0] * self.size])
+        return self._to_devices(full) if len(self.devices) > 1 else [tf.identity(full)]
+
+    def all_reduce_sum(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        with tf.device(self.devices[0]):
+            total = self._local_sum(values)
+            if self.size > 1:
+                total = self._hvd.allreduce(tf.identity(total, name="zero_sum"), op=self._hvd.Sum)
+        return self._to_devices(total)
+
+    def __repr__(self) -> str:
+        return (f"HorovodShardCollectives(rank={self.rank}/{self.size}, devices={self.devices}, "
+                f"shards={self.shard_ids} of {self.num_shards})")
