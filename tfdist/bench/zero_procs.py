@@ -130,11 +130,12 @@ def plot(record: dict, path: str) -> None:
     peaks = [record["peak_rss_bytes"][s] / 2**20 for s in record["peak_rss_bytes"]]
     ax.bar(labels, peaks, color="tab:blue", label="measured peak RSS")
     base = peaks[0]
-    ax.scatter(labels[1:], [base - record["savings"][s]["theoretical_bytes"] / 2**20 for s in list(record["savings"])],
+    ax.scatter(labels[1:], [base - record["savings"][s]["theoretical_bytes"] / 2**20 for s in record["savings"]],
                color="black", marker="_", s=900, zorder=3, label="stage 0 − theoretical (N−1)/N saving")
     ax.set_ylim(min(peaks) * 0.8, max(peaks) * 1.05)
     ax.set_ylabel("MiB per process (peak RSS)")
-    ax.set_title(f"{record['processes']} processes ({record['backend']}), {record['num_params'] / 1e6:.1f}M params, Adam")
+    ax.set_title(f"{record['processes']} processes ({record['backend']}), "
+                 f"{record['num_params'] / 1e6:.1f}M params, Adam")
     ax.legend(fontsize=7)
     ax = axes[1]
     steps = [record["median_step_ms"][s] / record["median_step_ms"][list(record["median_step_ms"])[0]]
