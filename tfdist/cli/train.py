@@ -115,23 +115,22 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
+    if chief:
+        for path in (args.plot, args.json):
+            if path and os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+        if args.plot:
+            plot_curves(record["history"], args.plot, title=f"{args.dataset}, {args.strategy} x{replicas}")
+            print(f"wrote {args.plot}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=2)
+            print(f"wrote {args.json}")
     if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
         from tfdist.cluster.chief import save_model
 
         if save_model(model, args.save, strategy):
             print(f"wrote {args.save}")
-    if not chief:
-        return 0
-    for path in (args.plot, args.json):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.plot:
-        plot_curves(record["history"], args.plot, title=f"{args.dataset}, {args.strategy} x{replicas}")
-        print(f"wrote {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
-        print(f"wrote {args.json}")
     return 0
 
 
