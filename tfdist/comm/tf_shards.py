@@ -63,6 +63,18 @@ class TFShardCollectives(ShardCollectives):
 
         return self._each(one, "reduce-scatter")
 
+    def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Like reduce_scatter, with each local replica's parts already concatenated in shard order
+        (`flats[i]` = num_shards * shard_size elements): the all-to-all splits the flat vector itself,
+        (reshaped to one row per shard, a view), so no per-shard slices and no stacked copy of the whole gradient are made."""
+        def one(i: int) -> tf.Tensor:
+            with tf.device(self.devices[i]):
+                rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
+                received = compat.launcher_all_to_all(self._launchers[i], rows)
+                return tf.add_n(tf.unstack(received, self.num_shards))  # sum in replica order
+
+        return self._each(one, "reduce-scatter")
+
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):

@@ -36,7 +36,7 @@ class ReplicaMemory:
     params: int = 0
     gradients: int | None = None
     optimizer_state: int = 0
-    shard_buffer: int = 0  # ZeRO: the owner's working copy of its parameter shard (4Ψ/N)
+    shard_buffer: int = 0  # ZeRO: the owner's parameter shard copy (4Ψ/N during a step only; 0 between steps)
 
     @property
     def total(self) -> int:
@@ -134,8 +134,8 @@ def memory_report(strategy, model) -> MemoryReport:
             if not hasattr(v, "_engine"):
                 for c in _components(strategy, v):
                     add(c.device, "optimizer_state", _nbytes(c))
-        for s in engine.shard_params:
-            add(s.value.device, "shard_buffer", _nbytes(s))
+        for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps
+            add(s.value.device, "shard_buffer", int(tf.size(s.value)) * tf.as_dtype(s.dtype).size)
         full = sum(_nbytes(v) for vs in engine.slots.values() for v in vs)  # this process's shards
         full = full * engine.layout.num_shards // len(engine.shard_params)  # all processes' shards
         full = full * num_params // max(1, engine.layout.padded)

@@ -117,6 +117,8 @@ class ZeroEngine:
     stage 2: reduce-scatter the gradients so each owner only receives its shard's sum;
     then clip on the global gradient, copy the owner's parameter shard, run the optimizer's own
     update_step on the shard, and all-gather the updated shards into every replica's parameters.
+    The parameter-shard variable (what update_step writes) has an unknown length and is emptied
+    after the all-gather, so between steps a replica holds no 4Ψ/N copy of its parameters.
     """
 
     def __init__(self, optimizer, variables: list, strategy, config: ZeroConfig):
@@ -189,8 +191,16 @@ class ZeroEngine:
                 shards = []
                 for sid, device in zip(self.comm.shard_ids, self.state_devices):
                     with tf.device(device):
-                        shards.append(keras.Variable(tf.zeros([self.layout.shard_size], self.dtype),
-                                                     trainable=False, name=f"zero_shard_{sid}"))
+                        # The owner's parameter shard, which update_step needs as a variable to write.
+                        # Its Keras shape is the shard's (slots are built from it), but the tf.Variable
+                        # behind it has an unknown length: it holds the shard only during a step and is
+                        # emptied after the all-gather (4Ψ/N bytes less per replica between steps).
+                        shard = keras.Variable("zeros", shape=(self.layout.shard_size,), dtype=self.dtype,
+                                               trainable=False, name=f"zero_shard_{sid}")
+                        compat.swap_variable_value(shard, tf.Variable(
+                            tf.zeros([0], self.dtype), shape=tf.TensorShape([None]), trainable=False,
+                            name=f"zero_shard_{sid}"))
+                        shards.append(shard)
                 with tf.device(self.state_devices[0]):
                     inner.build(shards)
                 box.update(inner=inner, shards=shards, created=created)
@@ -371,6 +381,9 @@ class ZeroEngine:
             with tf.device(device):
                 self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
         fulls = comm.all_gather([s.value for s in self.shard_params])
+        for i, device in enumerate(self.state_devices):
+            with tf.device(device), tf.control_dependencies(fulls):
+                self.shard_params[i].value.assign(tf.zeros([0], self.dtype))  # free it until the next step
         for i, device in enumerate(comm.devices):
             with tf.device(device):
                 # One variable at a time (each slice waits for the previous assign): a full-size
