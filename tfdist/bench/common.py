@@ -57,3 +57,12 @@ def write_json(path: str | None, record: dict) -> None:
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
     print(f"wrote {path}")
+
+
+def save_figure(fig, path: str) -> None:
+    """Writes a matplotlib figure (tight layout), creating its directory."""
+    fig.tight_layout()
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

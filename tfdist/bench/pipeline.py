@@ -44,16 +44,21 @@ def _read_space(xspace_path: str):
 def _step_windows(space) -> list[tuple[float, float]]:
     """(start, end) in ms of each execution of Keras' compiled train step in one trace, in order."""
     windows = []
+    for name, start, duration in _host_events(space):
+        if name.startswith("EagerLocalExecute: __inference_") and "step_on_" in name:
+            windows.append((start, start + duration))
+    return sorted(windows)
+
+
+def _host_events(space):
+    """(name, start ms, duration ms) of every event on the host CPU planes of one profiler trace."""
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
             continue
         for line in plane.lines:
             for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                if name.startswith("EagerLocalExecute: __inference_") and "step_on_" in name:
-                    start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
-                    windows.append((start, start + event.duration_ps / 1e9))
-    return sorted(windows)
+                yield (plane.event_metadata[event.metadata_id].name,
+                       line.timestamp_ns / 1e6 + event.offset_ps / 1e9, event.duration_ps / 1e9)
 
 
 def _intervals(space, device_of: dict[str, set[str]], step_only: bool = True
@@ -65,22 +70,16 @@ def _intervals(space, device_of: dict[str, set[str]], step_only: bool = True
     if isinstance(space, str):
         space = _read_space(space)
     out: dict[str, list[tuple[float, float]]] = {}
-    for plane in space.planes:
-        if not plane.name.startswith("/host:CPU"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                if ":" not in name:
-                    continue  # executor bookkeeping, not an op
-                node = name.split(":")[0]
-                if step_only and not node.startswith("StatefulPartitionedCall/"):
-                    continue  # the input pipeline and loop bookkeeping, not the training step
-                devices = device_of.get(node)
-                if not devices or len(devices) != 1:
-                    continue  # not an executed node, or a name used on several devices
-                start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
-                out.setdefault(next(iter(devices)), []).append((start, start + event.duration_ps / 1e9))
+    for name, start, duration in _host_events(space):
+        if ":" not in name:
+            continue  # executor bookkeeping, not an op
+        node = name.split(":")[0]
+        if step_only and not node.startswith("StatefulPartitionedCall/"):
+            continue  # the input pipeline and loop bookkeeping, not the training step
+        devices = device_of.get(node)
+        if not devices or len(devices) != 1:
+            continue  # not an executed node, or a name used on several devices
+        out.setdefault(next(iter(devices)), []).append((start, start + duration))
     if step_only and not out:
         return _intervals(space, device_of, step_only=False)
     return out

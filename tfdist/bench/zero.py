@@ -256,8 +256,6 @@ def plot(record: dict, path: str) -> None:
     ax.set_xticks([j + 0.2 for j in range(3)], [f"ZeRO-{s}" for s in STAGES])
     ax.set_ylabel("median step time / stage 0")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    from tfdist.bench.common import save_figure
+
+    save_figure(fig, path)

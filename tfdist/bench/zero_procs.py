@@ -151,11 +151,9 @@ def plot(record: dict, path: str) -> None:
     ax.axhline(1.10, color="red", linestyle="--", label="target 1.10")
     ax.set_ylabel("median step time / stage 0")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    from tfdist.bench.common import save_figure
+
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

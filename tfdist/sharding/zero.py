@@ -73,6 +73,16 @@ def check_stage(zero_stage) -> int:
     return int(zero_stage)
 
 
+def check_options(zero_stage, offload) -> tuple[int, bool]:
+    """Validates a strategy's `zero_stage` and `offload` arguments; returns them normalised."""
+    stage = check_stage(zero_stage)
+    if not isinstance(offload, bool):
+        raise ConfigError(f"offload must be True or False, got {offload!r}.")
+    if offload and stage == 0:
+        raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
+    return stage, offload
+
+
 def enable() -> None:
     """Installs the optimizer build hook (idempotent). Strategies with zero_stage > 0 call it."""
     compat.install_optimizer_build_hook(_on_build)

@@ -132,12 +132,7 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
         offload: bool = False,
     ):
         check_options(compression, op)
-        self.zero_stage = zero.check_stage(zero_stage)
-        if not isinstance(offload, bool):
-            raise ConfigError(f"offload must be True or False, got {offload!r}.")
-        if offload and self.zero_stage == 0:
-            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
-        self.offload = offload
+        self.zero_stage, self.offload = zero.check_options(zero_stage, offload)
         if require_launcher and launched_by() is None:
             raise ConfigError(
                 "HorovodStrategy(require_launcher=True): this process was not started by a Horovod/MPI "

@@ -9,7 +9,6 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.comm import cross_device_ops_from
 from tfdist.devices import resolve_devices
-from tfdist.errors import ConfigError
 from tfdist.sharding import zero
 from tfdist.sharding.collectives import LocalCollectives
 from tfdist.sharding.memory import MemoryReport, memory_report
@@ -65,12 +64,7 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         zero_stage: int = 0,
         offload: bool = False,
     ):
-        self.zero_stage = zero.check_stage(zero_stage)
-        if not isinstance(offload, bool):
-            raise ConfigError(f"offload must be True or False, got {offload!r}.")
-        if offload and self.zero_stage == 0:
-            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
-        self.offload = offload
+        self.zero_stage, self.offload = zero.check_options(zero_stage, offload)
         self._collective_key_base = compat.fresh_collective_key_base()
         super().__init__(devices=resolve_devices(devices), cross_device_ops=cross_device_ops_from(cross_device_ops))
         self._zero = None

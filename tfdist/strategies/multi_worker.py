@@ -88,12 +88,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         zero_stage: int = 0,
         offload: bool = False,
     ):
-        self.zero_stage = zero.check_stage(zero_stage)
-        if not isinstance(offload, bool):
-            raise ConfigError(f"offload must be True or False, got {offload!r}.")
-        if offload and self.zero_stage == 0:
-            raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
-        self.offload = offload
+        self.zero_stage, self.offload = zero.check_options(zero_stage, offload)
         if communication not in _COMMUNICATION:
             raise ConfigError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
