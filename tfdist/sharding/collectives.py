@@ -43,6 +43,16 @@ class ShardCollectives(abc.ABC):
         (all of equal length). Returns, for each local replica i, the sum over all replicas of
         their part for shard `shard_ids[i]`, placed on `devices[i]`."""
 
+    def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """`reduce_scatter` with each local replica's parts already concatenated in shard order
+        (`flats[i]` has num_shards * shard_size elements). Implementations override it to avoid
+        per-shard copies; this default splits and calls `reduce_scatter`."""
+        chunks = []
+        for flat, device in zip(flats, self.devices):
+            with tf.device(device):
+                chunks.append(tf.split(flat, self.num_shards))
+        return self.reduce_scatter(chunks)
+
     @abc.abstractmethod
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """`shards[i]` is local replica i's shard. Returns, for each local replica, the

@@ -254,7 +254,7 @@ class ZeroEngine:
         if self._gathered is not None:
             start = self.layout.offsets[var]
             flat = self._gathered[slot][start:start + self.layout.sizes[var]]
-        elif not self.comm.all_local and not getattr(self.comm, "gather_on_read", True) \
+        elif not self.comm.all_local and not self.comm.gather_on_read \
                 and not self._collective_reads:
             raise ConfigError(
                 f"ZeRO stage {self.stage}: reading the optimizer state (e.g. model.save, save_weights, "
@@ -363,7 +363,7 @@ class ZeroEngine:
                     shards.append(self._pieces([g[i] for g in grads], sid))
             self.kept_gradient_bytes = [sum(int(np.prod(g[i].shape)) * g[i].dtype.size for g in grads)
                                         for i in range(n)]
-        elif hasattr(comm, "reduce_scatter_flat"):
+        else:
             # One flat (padded) gradient per local replica: a single full-size copy, where per-shard
             # chunks concatenated again by the collective would make two.
             flats = []
@@ -374,13 +374,6 @@ class ZeroEngine:
                         parts.append(tf.zeros([layout.padded - layout.total], self.dtype))
                     flats.append(tf.concat(parts, 0))
             shards = comm.reduce_scatter_flat(flats)
-            self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
-        else:
-            chunks = []
-            for i, device in enumerate(comm.devices):
-                with tf.device(device):
-                    chunks.append([self._pieces([g[i] for g in grads], r) for r in range(layout.num_shards)])
-            shards = comm.reduce_scatter(chunks)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         shards = self._clip(shards)
         for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
