@@ -127,13 +127,14 @@ def test_time_balance_picks_the_brute_force_split_of_measured_forward_backward_c
     # balance="time" measures each layer's forward + the backward training runs (input gradient
     # only where needed), at the micro-batch size, and splits where brute force on those costs does.
     def mlp():
-        layers = [keras.Input((16,))] + [keras.layers.Dense(w, name=f"d{i}") for i, w in enumerate((64, 8, 64, 8, 4))]
+        # Wide enough that every layer stays well above the harness overhead on a busy machine.
+        layers = [keras.Input((64,))] + [keras.layers.Dense(w, name=f"d{i}") for i, w in enumerate((512, 32, 512, 32, 8))]
         return keras.Sequential(layers)
 
     for stages in (2, 3):
         strategy = tfdist.LayerPlacementStrategy(cpus(stages), balance="time", micro_batches=2)
         model = compiled(mlp, strategy)
-        model.fit(np.zeros((16, 16), "float32"), np.zeros(16, "int64"), batch_size=16, epochs=1, verbose=0)
+        model.fit(np.zeros((16, 64), "float32"), np.zeros(16, "int64"), batch_size=16, epochs=1, verbose=0)
         plan = strategy.placement_plan()
         assert strategy._measure_batch == 8  # 16 samples / 2 micro-batches
         costs = [info.seconds for info in plan.layers]

@@ -84,8 +84,9 @@ def measure_layer_times(layers, input_shapes, *, batch: int = 64, repeats: int =
     where `input_gradients[i]` is true (see `needs_input_gradients`; default: always). Each
     layer runs alone on the current device, `loops` times in a sequential loop inside one
     tf.function (first call not timed), so a small layer is not drowned in the function-call
-    overhead; the fastest of `repeats` calls counts, minus the same harness around an identity
-    layer. `input_shapes[i]` lists the input shapes (with a None batch dimension) of `layers[i]`.
+    overhead; the fastest of `repeats` calls counts, minus the fastest run of the same harness
+    around an identity layer (timed next to each layer). `input_shapes[i]` lists the input
+    shapes (with a None batch dimension) of `layers[i]`.
     """
     import tensorflow as tf
 
@@ -106,23 +107,30 @@ def measure_layer_times(layers, input_shapes, *, batch: int = 64, repeats: int =
                                  parallel_iterations=1)[1]
         return step
 
-    def timed(layer, inputs, single: bool, with_inputs: bool) -> float:
-        fn = harness(layer, single, with_inputs)
+    def once(fn, inputs) -> float:
+        start = time.perf_counter()
         fn(inputs).numpy()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(inputs).numpy()
-            samples.append(time.perf_counter() - start)
-        return min(samples) / loops
+        return time.perf_counter() - start
+
+    def fastest(fn, inputs) -> float:
+        return min(once(fn, inputs) for _ in range(repeats)) / loops
 
     import keras
 
-    overhead = timed(keras.layers.Identity(), [tf.random.uniform((batch, 8))], True, True)
+    # The identity harness is timed next to every layer and its fastest run overall is the
+    # overhead: one overhead sample taken while the machine was busy would otherwise exceed
+    # every small layer's time and flatten all costs to zero.
+    identity, identity_inputs = harness(keras.layers.Identity(), True, True), [tf.random.uniform((batch, 8))]
+    identity(identity_inputs).numpy()
     if input_gradients is None:
         input_gradients = [True] * len(layers)
-    times = []
+    raw, overheads = [], []
     for layer, shapes, with_inputs in zip(layers, input_shapes, input_gradients):
         inputs = [tf.random.uniform((batch, *s[1:])) for s in shapes]
-        times.append(max(timed(layer, inputs, len(shapes) == 1, with_inputs) - overhead, 0.0))
-    return times
+        fn = harness(layer, len(shapes) == 1, with_inputs)
+        fn(inputs).numpy()
+        overheads.append(fastest(identity, identity_inputs))
+        raw.append(fastest(fn, inputs))
+    overheads.append(fastest(identity, identity_inputs))
+    overhead = min(overheads)
+    return [max(t - overhead, 0.0) for t in raw]
