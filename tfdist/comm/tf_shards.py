@@ -41,6 +41,9 @@ class TFShardCollectives(ShardCollectives):
         ([1], 2)
     """
 
+    #: bytes per all-to-all call of the reduce-scatter (all replicas' parts together)
+    CHUNK_BYTES = 16 * 2**20
+
     def __init__(self, strategy: tf.distribute.Strategy, timeout_s: float | None = None):
         self._launchers = compat.zero_collective_launchers(strategy)
         self.devices = [compat.launcher_device(lc) for lc in self._launchers]
@@ -65,13 +68,24 @@ class TFShardCollectives(ShardCollectives):
 
     def reduce_scatter_flat(self, flats: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Like reduce_scatter, with each local replica's parts already concatenated in shard order
-        (`flats[i]` = num_shards * shard_size elements): the all-to-all splits the flat vector itself,
-        (reshaped to one row per shard, a view), so no per-shard slices and no stacked copy of the whole gradient are made."""
+        (`flats[i]` = num_shards * shard_size elements).
+
+        Sent in column chunks of about CHUNK_BYTES, one after the other: an all-to-all returns as
+        much as it is given, so one call over the whole gradient would hold a second full-size
+        gradient next to the first, more than ZeRO-2 saves.
+        """
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
                 rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
-                received = compat.launcher_all_to_all(self._launchers[i], rows)
-                return tf.add_n(tf.unstack(received, self.num_shards))  # sum in replica order
+                shard = int(rows.shape[1])
+                chunk = max(1, min(shard, self.CHUNK_BYTES // (rows.dtype.size * self.num_shards)))
+                sums, done = [], []
+                for start in range(0, shard, chunk):
+                    with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
+                        received = compat.launcher_all_to_all(self._launchers[i], rows[:, start:start + chunk])
+                        sums.append(tf.add_n(tf.unstack(received, self.num_shards)))  # sum in replica order
+                    done = [sums[-1]]
+                return tf.concat(sums, 0) if len(sums) > 1 else sums[0]
 
         return self._each(one, "reduce-scatter")
 

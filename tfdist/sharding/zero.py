@@ -377,7 +377,10 @@ class ZeroEngine:
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         shards = self._clip(shards)
         for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
-            with tf.device(device):
+            # After the gradient shards exist: filled earlier (it only needs the parameters), the
+            # parameter shard would sit in memory through the backward pass and the reduction,
+            # which is where the step peaks.
+            with tf.device(device), tf.control_dependencies(shards):
                 self.shard_params[i].assign(self._pieces([p[i] for p in params], sid))
         self.inner.iterations.assign(tf.cast(self.optimizer.iterations, self.inner.iterations.dtype))
         for i, device in enumerate(self.state_devices):
