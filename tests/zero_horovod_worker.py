@@ -28,7 +28,12 @@ def main() -> int:
     import tensorflow as tf
 
     import tfdist
+    from tfdist.comm.horovod_shards import HorovodShardCollectives
     from tfdist.errors import ConfigError
+
+    # Small chunks, so this 2,570-parameter CNN's ZeRO-2 reduce-scatter runs as 3 Horovod calls per step,
+    # as a 25M-parameter model's does with the default 16 MiB.
+    HorovodShardCollectives.CHUNK_BYTES = 4096
 
     os.makedirs(out, exist_ok=True)
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
