@@ -211,7 +211,8 @@ def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, step
     import argparse
 
     k = k_stages = len(devices)
-    opts = argparse.Namespace(steps=steps, balance=balance, model=model, blocks=blocks, stage_streams=stage_streams)
+    opts = argparse.Namespace(steps=steps, balance=balance, model=model, blocks=blocks,
+                              stage_streams=stage_streams)
     results = []
     for m in micro_batches:
         plan, all_steps, median = _measure(m, opts, data, devices)
@@ -223,7 +224,8 @@ def measure_pipeline(micro_batches: list[int], devices: list[str], data, *, step
             "micro_batches": m, "makespan_ms": median["makespan_ms"],
             "makespan_ms_all": [s["makespan_ms"] for s in all_steps],
             "busy_ms": dict(zip(names, busy)), "efficiency": efficiency, "ideal": ideal,
-            "ratio_to_ideal": efficiency / ideal, "balance_bound": sum(busy) / (k * max(busy)), "devices": names, "timeline": median["intervals"],
+            "ratio_to_ideal": efficiency / ideal, "balance_bound": sum(busy) / (k * max(busy)),
+            "devices": names, "timeline": median["intervals"],
             "stage_of": plan.stage_of,
             # balance="time": each stage's measured forward + training backward per micro-batch,
             # the imbalance the split could not remove (None for other balances).

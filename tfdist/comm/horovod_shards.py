@@ -36,7 +36,6 @@ class HorovodShardCollectives(ShardCollectives):
     """
 
     gather_on_read = False  # a rank-0-only model.save would wait forever in hvd.allgather
-    CHUNK_BYTES = 16 * 2**20  # reduce-scatter input per Horovod call
 
     def __init__(self, devices: Sequence[str], rank: int, size: int):
         self._hvd = horovod()
@@ -79,11 +78,9 @@ class HorovodShardCollectives(ShardCollectives):
                 mine = tf.split(flat, m) if m > 1 else [flat]
             else:
                 shard = int(flat.shape[0]) // self.num_shards
-                chunk = max(1, min(shard, self.CHUNK_BYTES // (flat.dtype.size * self.num_shards)))
                 pieces: list[list[tf.Tensor]] = [[] for _ in range(m)]
                 done: list = []
-                for start in range(0, shard, chunk):
-                    stop = min(start + chunk, shard)
+                for start, stop in self.chunk_bounds(shard, flat.dtype):
                     with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
                         part = tf.concat([flat[r * shard + start:r * shard + stop] for r in range(self.num_shards)], 0)
                         got = self._hvd.reducescatter(tf.identity(part, name="zero_grads"), op=self._hvd.Sum)

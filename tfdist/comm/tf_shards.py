@@ -41,9 +41,6 @@ class TFShardCollectives(ShardCollectives):
         ([1], 2)
     """
 
-    #: bytes per all-to-all call of the reduce-scatter (all replicas' parts together)
-    CHUNK_BYTES = 16 * 2**20
-
     def __init__(self, strategy: tf.distribute.Strategy, timeout_s: float | None = None):
         self._launchers = compat.zero_collective_launchers(strategy)
         self.devices = [compat.launcher_device(lc) for lc in self._launchers]
@@ -77,12 +74,10 @@ class TFShardCollectives(ShardCollectives):
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
                 rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
-                shard = int(rows.shape[1])
-                chunk = max(1, min(shard, self.CHUNK_BYTES // (rows.dtype.size * self.num_shards)))
                 sums, done = [], []
-                for start in range(0, shard, chunk):
+                for start, stop in self.chunk_bounds(int(rows.shape[1]), rows.dtype):
                     with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
-                        received = compat.launcher_all_to_all(self._launchers[i], rows[:, start:start + chunk])
+                        received = compat.launcher_all_to_all(self._launchers[i], rows[:, start:stop])
                         sums.append(tf.add_n(tf.unstack(received, self.num_shards)))  # sum in replica order
                     done = [sums[-1]]
                 return tf.concat(sums, 0) if len(sums) > 1 else sums[0]

@@ -36,6 +36,8 @@ class ShardCollectives(abc.ABC):
     #: whether a read of one slot may all-gather on its own (False: only inside the engine's
     #: gathered()/collective_reads(), so a save on one rank alone fails clearly instead of hanging)
     gather_on_read: bool = True
+    #: bytes per call when a reduce-scatter is sent in pieces (all shards' parts together)
+    CHUNK_BYTES: int = 16 * 2**20
 
     @abc.abstractmethod
     def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
@@ -52,6 +54,13 @@ class ShardCollectives(abc.ABC):
             with tf.device(device):
                 chunks.append(tf.split(flat, self.num_shards))
         return self.reduce_scatter(chunks)
+
+    def chunk_bounds(self, shard_size: int, dtype: tf.DType) -> list[tuple[int, int]]:
+        """(start, stop) ranges within a shard, to send one after the other: each piece, taken
+        from all `num_shards` shards, carries about CHUNK_BYTES, which bounds the temporaries of
+        collectives that hold a copy (or several) of their input."""
+        chunk = max(1, min(shard_size, self.CHUNK_BYTES // (dtype.size * self.num_shards)))
+        return [(start, min(start + chunk, shard_size)) for start in range(0, shard_size, chunk)]
 
     @abc.abstractmethod
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
