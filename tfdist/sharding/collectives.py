@@ -19,8 +19,9 @@ class ShardCollectives(abc.ABC):
     global replica) index of local replica i. In-process MirroredStrategy has all N replicas
     local (`LocalCollectives`); a multi-worker or Horovod strategy has one or a few local
     replicas and implements the same methods with cross-process collectives, e.g. reduce-scatter
-    as CollectiveAllToAllV2 + local sum (TF's CollectiveReduceScatterV2 does not run on CPU) or
-    `hvd.reducescatter`, and all-gather with `CollectiveGatherV2` / `hvd.allgather`.
+    as an all-to-all + local sum (TF's CollectiveReduceScatterV2 does not run on CPU, and
+    Horovod's reducescatter is slower than its all-reduce under Gloo), and all-gather with
+    `CollectiveGatherV2` / `hvd.allgather`.
 
     All methods are called inside the strategy's cross-replica context (merge_call), in graph
     or eager mode; collective implementations must order their ops (per-device tokens) when they

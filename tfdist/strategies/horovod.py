@@ -93,7 +93,7 @@ class HorovodStrategy(tf.distribute.MirroredStrategy):
             a one-process job).
         zero_stage: 0 (plain data parallel), 1 (optimizer state sharded across all replicas of all
             processes: each rank keeps 1/N of it) or 2 (gradients reduce-scattered too), as in
-            `tfdist.MirroredStrategy`. The shards move with `hvd.reducescatter` / `hvd.allgather`
+            `tfdist.MirroredStrategy`. The shards move with `hvd.alltoall` (+ a local sum) / `hvd.allgather`
             (tfdist.comm.horovod_shards). Saving a model or checkpoint gathers the full optimizer state:
             with zero_stage > 0 every rank must take part (tfdist.cluster.ModelCheckpoint,
             BackupAndRestore and `tfdist.cluster.save_model` do that; a bare `model.save` on rank 0
