@@ -1,4 +1,4 @@
-"""Command-line paths across processes: `tfdist launch -- tfdist train --strategy multiworker`, bench allreduce."""
+"""Across processes from the command line: `tfdist launch -- tfdist train`, bench allreduce and bench zero."""
 
 from __future__ import annotations
 
@@ -49,6 +49,28 @@ def test_bench_allreduce_tf_backend_writes_bus_bandwidth(tmp_path):
         assert r["busbw_gbps"] == pytest.approx(r["bytes"] / (r["median_ms"] / 1000) / 1e9)
         assert r["busbw_gbps"] > 0
     assert "GB/s" in proc.stdout
+
+
+def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_path):
+    path, png = tmp_path / "zero.json", tmp_path / "zero.png"
+    proc = subprocess.run([*TFDIST, "bench", "zero", "--processes", "2", "--backend", "tf", "--width", "256",
+                           "--proc-steps", "2", "--proc-batch-size", "16", "--json", str(path), "--png", str(png)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(path.read_text())
+    assert record["num_params"] == 1024 * 256 + 256 + 256 * 256 + 256 + 256 * 1024 + 1024
+    for allocator in ("pooled", "returning"):
+        for stage in ("0", "1", "2"):
+            ranks = record["per_rank"][allocator][stage]
+            assert sorted(r["rank"] for r in ranks) == [0, 1]
+            assert all(r["allocator"] == allocator and r["peak_rss_bytes"] > 0 for r in ranks)
+            # TF keeps allocator statistics only with its default (oneDNN) allocator
+            assert all(bool(r["tf_step_peak_bytes"]) == (allocator == "pooled") for r in ranks)
+            assert all(r["report"]["stage"] == int(stage) for r in ranks)
+    theory = record["savings"]["1"]["theoretical_bytes"]
+    assert theory == 8 * record["num_params"] / 2
+    assert record["savings"]["1"]["ratio"] == pytest.approx(record["savings"]["1"]["measured_bytes"] / theory)
+    assert png.stat().st_size > 0 and "peak RSS, returning" in proc.stdout
 
 
 def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch):

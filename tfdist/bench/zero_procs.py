@@ -12,6 +12,16 @@ import time
 STAGES = (0, 1, 2)
 # launcher backend -> tfdist strategy name (tfdist.strategies.factory)
 STRATEGY_OF_BACKEND = {"horovod": "horovod", "tf": "multiworker"}
+# Each stage runs twice. "pooled": TF's default CPU allocator (oneDNN build: a BFC pool whose regions
+# double in size, 2 MiB up to 512 MiB, and are never returned), which gives the step time and TF's
+# own count of live bytes; its peak RSS moves in steps of a pool region, far coarser than the
+# 96-144 MiB that ZeRO saves here. "returning": TF's plain CPU allocator (malloc) with glibc told to
+# map every block >= 1 MiB on its own and unmap it when freed (a fixed mmap threshold also stops
+# glibc's sliding one from keeping freed blocks in its heap), so peak RSS follows live memory.
+ALLOCATORS = {
+    "pooled": {},
+    "returning": {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(2**20)},
+}
 
 
 def _child(argv: list[str]) -> int:
@@ -23,6 +33,7 @@ def _child(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--allocator", default="pooled", choices=sorted(ALLOCATORS))
     a = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -54,24 +65,27 @@ def _child(argv: list[str]) -> int:
         status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith("Vm")}
     hwm = status["VmHWM"]
     tf_after = _tf_memory()
-    start = time.perf_counter()  # after VmHWM: a save gathers the state, which is not the training peak
-    tfdist.cluster.save_model(model, os.path.join(a.out, f"stage{a.stage}.keras"))  # every rank, chief writes
-    save_seconds = time.perf_counter() - start
-    record = {"rank": rank, "stage": a.stage, "peak_rss_bytes": hwm, "rss_after_bytes": status["VmRSS"],
-              "rss_before_fit_bytes": before,
-              "tf_step_peak_bytes": tf_after and tf_after["peak"], "tf_warmup_peak_bytes": tf_warmup and tf_warmup["peak"],
+    save_seconds = None
+    if a.allocator == "pooled":
+        start = time.perf_counter()  # after VmHWM: a save gathers the state, which is not the training peak
+        tfdist.cluster.save_model(model, os.path.join(a.out, f"stage{a.stage}.keras"))  # every rank, chief writes
+        save_seconds = time.perf_counter() - start
+    record = {"rank": rank, "stage": a.stage, "allocator": a.allocator, "peak_rss_bytes": hwm,
+              "rss_after_bytes": status["VmRSS"], "rss_before_fit_bytes": before,
+              "tf_step_peak_bytes": tf_after and tf_after["peak"],
+              "tf_warmup_peak_bytes": tf_warmup and tf_warmup["peak"],
               "tf_built_bytes": tf_built and tf_built["current"],
               "median_step_ms": median_ms(timer.step_seconds),
               "save_seconds": save_seconds,
               "steps_timed": len(timer.step_seconds), "replicas": strategy.num_replicas_in_sync,
               "num_params": int(sum(int(v.shape.num_elements()) for v in model.trainable_variables)),
               "report": report.to_dict() if report is not None else None}
-    with open(os.path.join(a.out, f"stage{a.stage}_rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"stage{a.stage}_{a.allocator}_rank{rank}.json"), "w") as f:
         json.dump(record, f)
     tf_line = (f"TF allocator: built {tf_built['current'] / 2**20:.1f}, warm-up peak {tf_warmup['peak'] / 2**20:.1f}, "
                f"step peak {tf_after['peak'] / 2**20:.1f} MiB; " if tf_after else "")
-    print(f"rank {rank} stage {a.stage}: {tf_line}peak RSS {hwm / 2**20:.1f} MiB (built {before / 2**20:.1f}, "
-          f"after {status['VmRSS'] / 2**20:.1f}), "
+    print(f"rank {rank} stage {a.stage} ({a.allocator} allocator): {tf_line}peak RSS {hwm / 2**20:.1f} MiB "
+          f"(built {before / 2**20:.1f}, after {status['VmRSS'] / 2**20:.1f}), "
           f"median step {record['median_step_ms']:.1f} ms", flush=True)
     return 0
 
@@ -96,7 +110,8 @@ def _tf_memory(reset: bool = False) -> dict | None:
 
 
 def run_processes(args: argparse.Namespace) -> dict:
-    """Launches `args.processes` ranks per stage (one launch per stage, so each peak RSS is that stage's)."""
+    """Launches `args.processes` ranks per stage and allocator (one launch each, so each peak RSS is
+    that stage's alone)."""
     from tfdist.cluster.launcher import launch
     from tfdist.errors import ConfigError
 
@@ -104,22 +119,27 @@ def run_processes(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--backend must be one of {sorted(STRATEGY_OF_BACKEND)}, got {args.backend!r}.")
     strategy = STRATEGY_OF_BACKEND[args.backend]
     n = args.processes
-    per_stage: dict[int, list[dict]] = {}
+    rows: dict[str, dict[int, list[dict]]] = {a: {} for a in ALLOCATORS}
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-zero-") as out:
         for stage in STAGES:
-            cmd = [sys.executable, "-m", "tfdist.bench.zero_procs", "--strategy", strategy, "--stage", str(stage),
-                   "--width", str(args.width), "--steps", str(args.proc_steps),
-                   "--batch-size", str(args.proc_batch_size), "--out", out]
-            code = launch(cmd, n, backend=args.backend, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout_s=900)
-            if code != 0:
-                raise RuntimeError(f"stage {stage}: the {n}-process run ({args.backend}) exited with {code}")
-            per_stage[stage] = [json.load(open(os.path.join(out, f"stage{stage}_rank{r}.json"))) for r in range(n)]
-    num_params = per_stage[0][0]["num_params"]
-    peak = {s: max(r["peak_rss_bytes"] for r in rows) for s, rows in per_stage.items()}
-    tf_peak = {s: max(r["tf_step_peak_bytes"] for r in rows) if all(r["tf_step_peak_bytes"] for r in rows) else None
-               for s, rows in per_stage.items()}
-    step = {s: max(r["median_step_ms"] for r in rows) for s, rows in per_stage.items()}
-    save = {s: max(r["save_seconds"] for r in rows) for s, rows in per_stage.items()}
+            for allocator, env in ALLOCATORS.items():
+                cmd = [sys.executable, "-m", "tfdist.bench.zero_procs", "--strategy", strategy, "--stage", str(stage),
+                       "--width", str(args.width), "--steps", str(args.proc_steps),
+                       "--batch-size", str(args.proc_batch_size), "--out", out, "--allocator", allocator]
+                code = launch(cmd, n, backend=args.backend, env={"TF_CPP_MIN_LOG_LEVEL": "2", **env}, timeout_s=900)
+                if code != 0:
+                    raise RuntimeError(f"stage {stage} ({allocator} allocator): the {n}-process run "
+                                       f"({args.backend}) exited with {code}")
+                rows[allocator][stage] = [json.load(open(os.path.join(out, f"stage{stage}_{allocator}_rank{r}.json")))
+                                          for r in range(n)]
+    pooled, returning = rows["pooled"], rows["returning"]
+    num_params = pooled[0][0]["num_params"]
+    peak = {s: max(r["peak_rss_bytes"] for r in returning[s]) for s in STAGES}
+    pooled_peak = {s: max(r["peak_rss_bytes"] for r in pooled[s]) for s in STAGES}
+    tf_peak = {s: max(r["tf_step_peak_bytes"] for r in pooled[s]) if all(r["tf_step_peak_bytes"] for r in pooled[s])
+               else None for s in STAGES}
+    step = {s: max(r["median_step_ms"] for r in pooled[s]) for s in STAGES}
+    save = {s: max(r["save_seconds"] for r in pooled[s]) for s in STAGES}
     # Theory per process, fp32 Adam: stage 1 stops holding (N-1)/N of the 8Ψ state; stage 2 also of
     # the 4Ψ reduced gradient.
     theory = {1: 8 * num_params * (n - 1) / n, 2: 12 * num_params * (n - 1) / n}
@@ -127,40 +147,49 @@ def run_processes(args: argparse.Namespace) -> dict:
     for s in (1, 2):
         saved = peak[0] - peak[s]
         tf_saved = tf_peak[0] - tf_peak[s] if tf_peak[0] and tf_peak[s] else None
+        pooled_saved = pooled_peak[0] - pooled_peak[s]
         savings[s] = {"measured_bytes": saved, "theoretical_bytes": theory[s], "ratio": saved / theory[s],
                       "target_ratio_min": 0.80, "ok": saved >= 0.80 * theory[s],
                       "tf_allocator_bytes": tf_saved,
                       "tf_allocator_ratio": tf_saved / theory[s] if tf_saved is not None else None,
+                      "pooled_rss_bytes": pooled_saved, "pooled_rss_ratio": pooled_saved / theory[s],
                       "step_ratio_to_stage0": step[s] / step[0], "step_ok": step[s] / step[0] <= 1.10}
     print(f"\n{n} processes ({args.backend}, strategy {strategy}), MLP {num_params / 1e6:.1f}M params, Adam, "
-          f"global batch {args.proc_batch_size}")
-    print(f"{'stage':7s} {'peak RSS':>9s} {'saved':>6s} {'ratio':>6s} {'TF step peak':>12s} {'saved':>6s} "
-          f"{'ratio':>6s} {'theory':>7s} {'step ms':>8s} {'÷ st. 0':>7s} {'save s':>7s}   (MiB per process)")
+          f"global batch {args.proc_batch_size}; MiB per process, saved and saved / theory vs stage 0")
+    print(f"{'':7s} {'peak RSS, returning':>21s} {'TF step peak, pooled':>22s} {'peak RSS, pooled':>21s}")
+    print(f"{'stage':7s} {'MiB':>7s} {'saved':>6s} {'ratio':>6s} {'MiB':>8s} {'saved':>6s} {'ratio':>6s} "
+          f"{'MiB':>7s} {'saved':>6s} {'ratio':>6s} {'theory':>7s} {'step ms':>8s} {'÷ st. 0':>7s} {'save s':>7s}")
+
+    def cols(value, saved, ratio, width=7):
+        text = f" {value / 2**20:{width}.1f}" if value else f" {'n/a':>{width}s}"
+        return text + (f" {saved / 2**20:6.1f} {ratio:6.2f}" if saved is not None else " " * 14)
+
     for s in STAGES:
-        line = f"ZeRO-{s}  {peak[s] / 2**20:9.1f}"
-        v = savings.get(s)
-        line += f" {v['measured_bytes'] / 2**20:6.1f} {v['ratio']:6.2f}" if v else " " * 14
-        line += f" {tf_peak[s] / 2**20:12.1f}" if tf_peak[s] else f" {'n/a':>12s}"
-        if v and v["tf_allocator_bytes"] is not None:
-            line += f" {v['tf_allocator_bytes'] / 2**20:6.1f} {v['tf_allocator_ratio']:6.2f}"
-        else:
-            line += " " * 14
+        v = savings.get(s, {})
+        line = f"ZeRO-{s} " + cols(peak[s], v.get("measured_bytes"), v.get("ratio"))
+        line += cols(tf_peak[s], v.get("tf_allocator_bytes"), v.get("tf_allocator_ratio"), 8)
+        line += cols(pooled_peak[s], v.get("pooled_rss_bytes"), v.get("pooled_rss_ratio"))
         line += f" {v['theoretical_bytes'] / 2**20:7.1f}" if v else " " * 8
         line += f" {step[s]:8.1f} {step[s] / step[0]:7.3f} {save[s]:7.2f}"
         print(line)
-    print("targets: saving >= 0.80 x theory ((N-1)/N of the Adam state [+ gradient at stage 2]), step time <= 1.10 x "
-          "stage 0. TF step peak: most bytes in use in TF's CPU allocator during the timed steps (the live "
-          "tensors; n/a with TF_ENABLE_ONEDNN_OPTS=0); peak RSS also counts that allocator's pool, which grows "
-          "in regions and never shrinks, and buffers outside TF's allocator (collective transports)")
+    print("targets: saving >= 0.80 x theory ((N-1)/N of the Adam state [+ gradient at stage 2]) in peak RSS with the "
+          "returning allocator; step time (TF's default, pooled allocator) <= 1.10 x stage 0. TF step peak: most "
+          "bytes in use in TF's pooled CPU allocator during the timed steps; the pooled peak RSS also counts the "
+          "pool's never-returned regions (2 MiB doubling to 512 MiB)")
     return {"processes": n, "backend": args.backend, "strategy": strategy, "num_params": num_params,
             "global_batch_size": args.proc_batch_size, "steps_timed": args.proc_steps,
-            "per_rank": {s: rows for s, rows in per_stage.items()}, "peak_rss_bytes": peak,
+            "allocators": {a: env for a, env in ALLOCATORS.items()},
+            "per_rank": rows, "peak_rss_bytes": peak, "pooled_peak_rss_bytes": pooled_peak,
             "tf_step_peak_bytes": tf_peak,
             "median_step_ms": step, "save_seconds": save, "savings": savings,
-            "notes": "one launch per stage; peak RSS = VmHWM of each rank (max over ranks), read before the "
-                     "save; TF step peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] over the timed "
-                     "steps (stats reset after the warm-up fit); save = tfdist.cluster.save_model of model + full optimizer state on every rank; "
-                     "theory = (N-1)/N x (8 Psi Adam state [+ 4 Psi gradient for stage 2]) bytes"}
+            "notes": "one launch per stage and allocator; peak RSS = VmHWM of each rank (max over ranks), read "
+                     "before the save; 'returning' = TF_ENABLE_ONEDNN_OPTS=0 (TF's malloc-based CPU allocator) and "
+                     "MALLOC_MMAP_THRESHOLD_=1 MiB (freed blocks go back to the OS); 'pooled' = TF's defaults "
+                     "(oneDNN BFC pool); step time, save time and TF step peak "
+                     "(tf.config.experimental.get_memory_info('CPU:0')['peak'] over the timed steps, stats reset "
+                     "after the warm-up fit) come from the pooled runs; save = tfdist.cluster.save_model of model + "
+                     "full optimizer state on every rank; theory = (N-1)/N x (8 Psi Adam state [+ 4 Psi gradient "
+                     "for stage 2]) bytes"}
 
 
 def plot(record: dict, path: str) -> None:
@@ -168,24 +197,30 @@ def plot(record: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    stages = [int(s) for s in record["peak_rss_bytes"]]
+    stages = list(record["peak_rss_bytes"])
     labels = [f"ZeRO-{s}" for s in stages]
+    x = np.arange(len(stages))
     ax = axes[0]
-    peaks = [record["peak_rss_bytes"][s] / 2**20 for s in record["peak_rss_bytes"]]
-    ax.bar(labels, peaks, color="tab:blue", label="measured peak RSS")
-    base = peaks[0]
-    ax.scatter(labels[1:], [base - record["savings"][s]["theoretical_bytes"] / 2**20 for s in record["savings"]],
-               color="black", marker="_", s=900, zorder=3, label="stage 0 − theoretical (N−1)/N saving")
-    ax.set_ylim(min(peaks) * 0.8, max(peaks) * 1.05)
-    ax.set_ylabel("MiB per process (peak RSS)")
+    series = [("peak RSS, returning allocator", record["peak_rss_bytes"], "tab:blue"),
+              ("peak RSS, TF's pooled allocator", record["pooled_peak_rss_bytes"], "tab:gray"),
+              ("TF step peak (live tensors)", record["tf_step_peak_bytes"], "tab:orange")]
+    for k, (name, values, color) in enumerate(series):
+        if all(values[s] for s in stages):
+            ax.bar(x + (k - 1) * 0.27, [values[s] / 2**20 for s in stages], 0.27, color=color, label=name)
+    base = record["peak_rss_bytes"][stages[0]] / 2**20
+    ax.scatter(x[1:] - 0.27, [base - record["savings"][s]["theoretical_bytes"] / 2**20 for s in stages[1:]],
+               color="black", marker="_", s=300, zorder=3, label="stage 0 − theoretical (N−1)/N saving")
+    ax.set_ylim(0, max(v / 2**20 for _, vals, _ in series for v in vals.values() if v) * 1.35)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("MiB per process")
     ax.set_title(f"{record['processes']} processes ({record['backend']}), "
                  f"{record['num_params'] / 1e6:.1f}M params, Adam")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
     ax = axes[1]
-    steps = [record["median_step_ms"][s] / record["median_step_ms"][list(record["median_step_ms"])[0]]
-             for s in record["median_step_ms"]]
+    steps = [record["median_step_ms"][s] / record["median_step_ms"][stages[0]] for s in stages]
     ax.bar(labels, steps)
     ax.axhline(1.10, color="red", linestyle="--", label="target 1.10")
     ax.set_ylabel("median step time / stage 0")
