@@ -67,19 +67,13 @@ class TFShardCollectives(ShardCollectives):
         """Like reduce_scatter, with each local replica's parts already concatenated in shard order
         (`flats[i]` = num_shards * shard_size elements).
 
-        Sent in column chunks of about CHUNK_BYTES, one after the other: an all-to-all returns as
-        much as it is given, so one call over the whole gradient would hold a second full-size
-        gradient next to the first, more than ZeRO-2 saves.
+        Sent in column chunks of about CHUNK_BYTES, one after the other (`all_to_all_sums`).
         """
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
                 rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
-                sums, done = [], []
-                for start, stop in self.chunk_bounds(int(rows.shape[1]), rows.dtype):
-                    with tf.control_dependencies(done):  # one chunk in flight: bounded temporaries
-                        received = compat.launcher_all_to_all(self._launchers[i], rows[:, start:stop])
-                        sums.append(tf.add_n(tf.unstack(received, self.num_shards)))  # sum in replica order
-                    done = [sums[-1]]
+                sums = self.all_to_all_sums(rows, lambda cols: compat.launcher_all_to_all(self._launchers[i], cols),
+                                            self.num_shards)
                 return tf.concat(sums, 0) if len(sums) > 1 else sums[0]
 
         return self._each(one, "reduce-scatter")

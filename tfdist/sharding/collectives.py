@@ -63,6 +63,20 @@ class ShardCollectives(abc.ABC):
         chunk = max(1, min(shard_size, self.CHUNK_BYTES // (dtype.size * self.num_shards)))
         return [(start, min(start + chunk, shard_size)) for start in range(0, shard_size, chunk)]
 
+    def all_to_all_sums(self, rows: tf.Tensor, exchange, senders: int) -> list[tf.Tensor]:
+        """A reduce-scatter as all-to-alls, chunk by chunk: `rows` is [num_shards, shard_size] (row r
+        for shard r); `exchange(columns)` sends column chunk `columns` ([num_shards, k]) to the
+        shards' owners and returns the `senders` rows it received. Returns each chunk's sum over
+        senders (in sender order), one chunk in flight at a time so temporaries stay ~CHUNK_BYTES:
+        an all-to-all returns as much as it is given, so one call over the whole gradient would hold
+        a second full-size gradient next to the first, more than ZeRO-2 saves."""
+        sums, done = [], []
+        for start, stop in self.chunk_bounds(int(rows.shape[1]), rows.dtype):
+            with tf.control_dependencies(done):
+                sums.append(tf.add_n(tf.unstack(exchange(rows[:, start:stop]), senders)))
+            done = [sums[-1]]
+        return sums
+
     @abc.abstractmethod
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """`shards[i]` is local replica i's shard. Returns, for each local replica, the
