@@ -65,7 +65,7 @@ def test_slots_live_only_on_their_owner(adam_runs, stage):
     shard = -(-n_params // 4)
     assert engine.layout.shard_size == shard
     for name in ("momentum", "velocity"):
-        slots = engine.slots[name]
+        slots = engine.state.slots[name]
         assert len(slots) == 4
         for owner, var in enumerate(slots):
             assert tuple(var.shape) == (shard,)  # 1/N of the flat state, not a whole variable
@@ -159,7 +159,7 @@ def test_offload_matches_and_places_state_on_host():
     model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     engine = model.optimizer._tfdist_zero
     host = tf.DeviceSpec.from_string(engine.config.host_device).to_string()
-    assert all(tf.DeviceSpec.from_string(v.value.device).to_string() == host for v in engine.slots["momentum"])
+    assert all(tf.DeviceSpec.from_string(v.value.device).to_string() == host for v in engine.state.slots["momentum"])
     _, ref = train(2, lambda: keras.optimizers.Adam(), steps=4)
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
 

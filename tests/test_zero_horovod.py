@@ -86,8 +86,7 @@ def test_slot_shards_live_only_on_their_owner(run, stage):
         assert memory["replicas"] == 2 and memory["formula"]["optimizer_state"] == 8 * info["num_params"] / 2
         (row,) = memory["rows"]
         assert row["optimizer_state"] <= 2 * 4 * shard + 64  # two slots of ceil(Ψ/2) floats + scalars
-        expected_grads = 4 * info["num_params"] if stage == "1" else 4 * shard
-        assert row["gradients"] == expected_grads
+        assert row["gradients"] == 4 * shard  # two replicas: stage 1 reduce-scatters too (bit-identical)
 
 
 def test_saved_keras_file_holds_full_state_and_loads_in_plain_keras(run, python):

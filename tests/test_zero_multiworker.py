@@ -164,7 +164,9 @@ def test_slot_shards_live_only_on_their_owner(runs):
             if not offload:
                 for row in mem["rows"]:
                     assert 8 * shard <= row["optimizer_state"] <= 8 * shard + 64, (tag, row)
-                    assert row["gradients"] == (4 * PARAMS if stage == 1 else 4 * shard), (tag, row)
+                    # stage 1 reduce-scatters too when that is bit-identical: with two replicas
+                    kept = 4 * PARAMS if stage == 1 and n * m > 2 else 4 * shard
+                    assert row["gradients"] == kept, (tag, row)
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def main() -> int:
             info["num_params"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
             info["slots"] = {name: [{"shape": list(v.shape), "device": v.value.device,
                                      "distributed": isinstance(v.value, tf.distribute.DistributedValues)}
-                                    for v in vs] for name, vs in engine.slots.items()}
+                                    for v in vs] for name, vs in engine.state.slots.items()}
             if rank == 0:  # the usual "save on rank 0" pattern must fail clearly, not hang
                 try:
                     model.save(os.path.join(out, "rank0_only.keras"))

@@ -54,8 +54,8 @@ if engine is not None:  # tf.train.Checkpoint: every worker writes (gathering), 
     if rank:
         shutil.rmtree(where)
     record["shard_ids"] = list(engine.comm.shard_ids)
-    record["shard_shapes"] = [tuple(v.shape) for vs in engine.slots.values() for v in vs]
-    record["shard_devices"] = [v.value.device for vs in engine.slots.values() for v in vs]
+    record["shard_shapes"] = [tuple(v.shape) for vs in engine.state.slots.values() for v in vs]
+    record["shard_devices"] = [v.value.device for vs in engine.state.slots.values() for v in vs]
     record["inner_state_elements"] = sum(int(np.prod(v.shape)) for v in engine.inner.variables)
     record["local_devices"] = list(strategy.extended.worker_devices)
     report = strategy.memory_report(a)

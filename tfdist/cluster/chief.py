@@ -167,7 +167,7 @@ def _forward(name):
             if not self.chief:
                 self._shadow()
             try:
-                with engine.collective_reads():
+                with engine.state.collective_reads():
                     return getattr(self.inner, name)(*args, **kwargs)
             finally:
                 if self._scratch is not None:

@@ -29,9 +29,9 @@ class TFShardCollectives(ShardCollectives):
     run in program order on every worker, in tf.function and eagerly. Eager calls with several
     local replicas launch one thread per replica (a collective blocks until its whole group joins).
 
-    Every worker must make the same calls in the same order: `read_slot` (checkpoint saving)
-    all-gathers, so every worker takes part in a save (tfdist.cluster.ModelCheckpoint,
-    BackupAndRestore and save_model do). A collective that waits longer than the strategy's
+    Every worker must make the same calls in the same order: reading the logical optimizer state
+    (checkpoint saving) all-gathers, so every worker takes part in a save
+    (tfdist.cluster.ModelCheckpoint, BackupAndRestore and save_model do). A collective that waits longer than the strategy's
     `timeout_s` fails with a ConfigError instead of hanging.
 
     Example:

@@ -35,7 +35,7 @@ class LogicalSlot(compat.SavedTensor):
         self.trainable = False
 
     def read(self) -> tf.Tensor:
-        return self._engine.read_slot(self._var, self._slot)
+        return self._engine.state.read(self._var, self._slot)
 
     def write(self, value) -> None:
         value = tf.convert_to_tensor(value)
@@ -43,7 +43,7 @@ class LogicalSlot(compat.SavedTensor):
             raise ConfigError(f"checkpoint value for optimizer slot {self.path!r} has shape {tuple(value.shape)}, "
                               f"but the model's variable has shape {self.shape}: the checkpoint was written "
                               "for a different model.")
-        self._engine.write_slot(self._var, self._slot, value)
+        self._engine.state.write(self._var, self._slot, value)
 
     @property
     def value(self) -> tf.Tensor:
@@ -99,5 +99,5 @@ def gathered_state(model_or_optimizer):
     if engine is None:
         yield
         return
-    with engine.gathered():
+    with engine.state.gathered():
         yield

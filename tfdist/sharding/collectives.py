@@ -34,8 +34,8 @@ class ShardCollectives(abc.ABC):
     shard_ids: Sequence[int]
     #: total number of shards (= replicas in sync)
     num_shards: int
-    #: whether a read of one slot may all-gather on its own (False: only inside the engine's
-    #: gathered()/collective_reads(), so a save on one rank alone fails clearly instead of hanging)
+    #: whether a read of one slot may all-gather on its own (False: only inside
+    #: SlotShards.gathered()/collective_reads(), so a save on one rank alone fails clearly instead of hanging)
     gather_on_read: bool = True
     #: bytes per call when a reduce-scatter is sent in pieces (all shards' parts together)
     CHUNK_BYTES: int = 16 * 2**20

@@ -136,15 +136,15 @@ def memory_report(strategy, model) -> MemoryReport:
                     add(c.device, "optimizer_state", _nbytes(c))
         for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps
             add(s.value.device, "shard_buffer", int(tf.size(s.value)) * tf.as_dtype(s.dtype).size)
-        full = sum(_nbytes(v) for vs in engine.slots.values() for v in vs)  # this process's shards
+        full = sum(_nbytes(v) for vs in engine.state.slots.values() for v in vs)  # this process's shards
         full = full * engine.layout.num_shards // len(engine.shard_params)  # all processes' shards
         full = full * num_params // max(1, engine.layout.padded)
         if engine.kept_gradient_bytes is not None:
             for device, nbytes in zip(engine.comm.devices, engine.kept_gradient_bytes):
                 add(device, "gradients", nbytes)
             source = ("measured from the traced step: " +
-                      ("the full all-reduced gradient per replica" if stage == 1 else
-                       "each replica keeps only its reduce-scattered shard"))
+                      ("each replica keeps only its reduce-scattered shard" if engine.reduce_scatters else
+                       "the full all-reduced gradient per replica"))
         else:
             source = "not measured yet (run at least one training step)"
     state_bytes = int(round(full / max(1, num_params)))

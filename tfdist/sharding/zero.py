@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from tfdist.errors import ConfigError
 from tfdist.sharding.checkpoint import LogicalSlot, load_own_variables_strict
 from tfdist.sharding.collectives import ShardCollectives
 from tfdist.sharding.layout import FlatLayout
+from tfdist.sharding.slot_shards import SlotShards
 
 __all__ = ["ZeroConfig", "ZeroEngine", "SUPPORTED_STAGES", "register_elementwise", "enable"]
 
@@ -123,7 +123,8 @@ class ZeroEngine:
     in a twin optimizer of the same class and config (minus weight decay and clipping, which the
     engine applies on the whole model / the global gradient), built over one flat shard variable
     per replica, each on its owner's device (or the host with offload). A step:
-    stage 1: all-reduce the gradients exactly as stage 0 does, each owner slices its shard;
+    stage 1: all-reduce the gradients exactly as stage 0 does, each owner slices its shard
+    (with two replicas: reduce-scatter, which adds the same two numbers; see `reduce_scatters`);
     stage 2: reduce-scatter the gradients so each owner only receives its shard's sum;
     then clip on the global gradient, copy the owner's parameter shard, run the optimizer's own
     update_step on the shard, and all-gather the updated shards into every replica's parameters.
@@ -138,11 +139,15 @@ class ZeroEngine:
         self.variables = list(variables)
         self.dtype = tf.as_dtype(variables[0].dtype)
         self.layout = FlatLayout([tuple(v.shape) for v in variables], self.comm.num_shards)
+        # Stage 1 promises stage 0's weights bit for bit, so it reduces with stage 0's all-reduce
+        # and then all-gathers: 1.5x data parallel's traffic. With two replicas a reduce-scatter
+        # adds the same two numbers (x0 + x1 == x1 + x0 in IEEE arithmetic), so stage 1 takes it
+        # and moves what data parallel moves (reduce-scatter + all-gather), like stage 2. With
+        # more replicas the sum order of the two differs in the last bit.
+        self.reduce_scatters = self.stage == 2 or self.comm.num_shards <= 2
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
-        self._gathered: dict[str, tf.Tensor] | None = None  # full slots while inside gathered()
-        self._collective_reads = 0  # > 0 inside collective_reads()
         object.__setattr__(optimizer, "_tfdist_zero", self)
         compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
         compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
@@ -223,104 +228,18 @@ class ZeroEngine:
         if "error" in box:
             raise box["error"]
         self.inner, self.shard_params = box["inner"], box["shards"]
-        self.slot_names: list[str] = []
-        self.slots: dict[str, list] = {}
+        slots: dict[str, list] = {}
         for (ref_id, name), var in box["created"].items():
             i = next(k for k, s in enumerate(self.shard_params) if id(s) == ref_id)
-            if name not in self.slots:
-                self.slot_names.append(name)
-                self.slots[name] = [None] * len(self.shard_params)
-            self.slots[name][i] = var
-        own = {id(v) for vs in self.slots.values() for v in vs} | {id(self.inner.iterations)}
+            slots.setdefault(name, [None] * len(self.shard_params))[i] = var
+        self.state = SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device,
+                                owner=f"ZeRO stage {self.stage}")
+        own = {id(v) for vs in slots.values() for v in vs} | {id(self.inner.iterations)}
         lr = getattr(self.inner, "_learning_rate", None)
         for v in self.inner.variables:
             if id(v) not in own and v is not lr and tuple(v.shape) not in ((), (self.layout.shard_size,)):
                 raise ConfigError(f"ZeRO cannot shard {type(self.optimizer).__name__}: its state {v.path} has "
                                   f"shape {tuple(v.shape)}, not the variable's; only element-wise state can be cut.")
-
-    # --- logical view (checkpoints) --------------------------------------------------------
-    def _slot_shards(self, slot: str) -> list:
-        if slot not in self.slots:
-            raise ConfigError(f"ZeRO: {type(self.optimizer).__name__} asked for slot {slot!r} that its shard "
-                              f"optimizer did not create (has {self.slot_names}); this optimizer is not supported.")
-        return self.slots[slot]
-
-    def read_slot(self, var: int, slot: str) -> tf.Tensor:
-        """The full value of `slot` for variable `var`. With shards in other processes this is an
-        all-gather through the strategy's collectives, so every process must read in the same order
-        (as saving on all workers does)."""
-        shards = self._slot_shards(slot)
-        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
-        if self._gathered is not None:
-            start = self.layout.offsets[var]
-            flat = self._gathered[slot][start:start + self.layout.sizes[var]]
-        elif not self.comm.all_local and not self.comm.gather_on_read \
-                and not self._collective_reads:
-            raise ConfigError(
-                f"ZeRO stage {self.stage}: reading the optimizer state (e.g. model.save, save_weights, "
-                "tf.train.Checkpoint) needs the shards of every process, so every rank must take part. "
-                "Use tfdist.cluster.save_model(model, path) on every rank (rank 0 writes), "
-                "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
-                "`with tfdist.sharding.gathered_state(model):`.")
-        elif self.comm.all_local:
-            parts = []
-            for r, piece in self.layout.owners(var):
-                with tf.device(self.state_devices[local[r]]):
-                    parts.append(tf.identity(shards[local[r]].value[piece.offset:piece.offset + piece.size]))
-            flat = tf.concat(parts, 0)
-        else:  # each shard's piece of this variable, padded to one window: ~Psi_var traffic, not Psi
-            owners = self.layout.owners(var)
-            window = max(p.size for _, p in owners)
-            mine = []
-            for i, sid in enumerate(self.comm.shard_ids):
-                piece = next((p for r, p in owners if r == sid), None)
-                with tf.device(self.state_devices[i]):
-                    part = shards[i].value[piece.offset:piece.offset + piece.size] if piece \
-                        else tf.zeros([0], self.dtype)
-                    mine.append(tf.pad(part, [[0, window - int(part.shape[0])]]))
-            gathered = self.comm.all_gather(mine)[0]
-            flat = tf.concat([gathered[r * window:r * window + p.size] for r, p in owners], 0)
-        with tf.device(self.config.host_device):
-            return tf.reshape(flat, self.layout.shapes[var])
-
-    @contextlib.contextmanager
-    def gathered(self):
-        """Collective (every process enters it, in the same order): all-gathers every slot once, so
-        reads inside need no collective and may run on one rank only (the chief writing a file)."""
-        if self.comm.all_local or self._gathered is not None:
-            yield
-            return
-        cache = {}
-        for name in self.slot_names:
-            full = self.comm.all_gather([s.value for s in self.slots[name]])[0]
-            with tf.device(self.config.host_device):
-                cache[name] = tf.identity(full)
-        self._gathered = cache
-        try:
-            yield
-        finally:
-            self._gathered = None
-
-    @contextlib.contextmanager
-    def collective_reads(self):
-        """Allows reads that all-gather one slot each; every process must then read the same slots
-        in the same order (the same save code on every rank)."""
-        self._collective_reads += 1
-        try:
-            yield
-        finally:
-            self._collective_reads -= 1
-
-    def write_slot(self, var: int, slot: str, value: tf.Tensor) -> None:
-        """Scatters a full value of `slot` for variable `var` into the shards this process owns."""
-        shards = self._slot_shards(slot)
-        local = {sid: i for i, sid in enumerate(self.comm.shard_ids)}
-        flat = tf.reshape(tf.cast(value, self.dtype), [-1])
-        for r, piece in self.layout.owners(var):
-            if r in local:
-                with tf.device(self.state_devices[local[r]]):
-                    shards[local[r]].value[piece.offset:piece.offset + piece.size].assign(
-                        flat[piece.start:piece.stop])
 
     # --- one training step -----------------------------------------------------------------
     def apply(self, grads: list, variables: list) -> None:
@@ -336,7 +255,7 @@ class ZeroEngine:
                               f"{[self.variables[i].path for i in missing]}. Set trainable=False on them.")
         by_index = dict(zip(order, grads))
         grads = [by_index[i] for i in range(len(self.variables))]
-        if self.stage == 1:  # exactly stage 0's reduction: bit-identical gradients
+        if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = compat.optimizer_all_reduce_sum(self.optimizer, grads, self.variables)
         compat.optimizer_apply_weight_decay(self.optimizer, self.variables)
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
@@ -356,7 +275,7 @@ class ZeroEngine:
         grads = [local(g) for g in grads]  # [variable][local replica]
         params = [local(v.value) for v in self.variables]
         lrs = local(learning_rate) if isinstance(learning_rate, tf.distribute.DistributedValues) else [learning_rate] * n
-        if self.stage == 1:
+        if not self.reduce_scatters:
             shards = []
             for i, (sid, device) in enumerate(zip(comm.shard_ids, comm.devices)):
                 with tf.device(device):
@@ -436,7 +355,7 @@ def _add_logical_slot(self, reference_variable, name=None, initializer="zeros"):
     engine: ZeroEngine = self._tfdist_zero
     index = compat.optimizer_variable_index(self, reference_variable)
     slot = LogicalSlot(engine, index, name or "var", reference_variable)
-    engine._slot_shards(slot._slot)  # fails clearly if the shard optimizer has no such slot
+    engine.state.shards(slot._slot)  # fails clearly if the shard optimizer has no such slot
     self._track_variable(slot)
     return slot
 
