@@ -130,12 +130,26 @@ def test_global_norm_clipping_uses_the_global_gradient(runs):
 
 
 @pytest.mark.slow
+def test_adamw_schedule_and_mixed_precision_match_stage0(runs):
+    _, data, _, _ = runs
+    for topo in ("2x1", "2x2"):
+        s0, s1, s2 = (data[f"{topo}-s{stage}", 0] for stage in (0, 1, 2))
+        for stage, d in enumerate((s0, s1, s2)):
+            assert d["adamw_mixed_optimizer"] == ["LossScaleOptimizer", "float16", 10, stage], topo
+        np.testing.assert_array_equal(s1["w_adamw_mixed"], s0["w_adamw_mixed"], err_msg=topo)
+        diff = rel(s2["w_adamw_mixed"], s0["w_adamw_mixed"])
+        print(f"\n{topo} AdamW + schedule + mixed_float16: ZeRO-2 vs stage 0 max relative difference {diff:.2e}")
+        assert diff <= 1e-4, topo
+        assert not np.allclose(s0["w_adamw_mixed"], s0["w30"])  # a different run really trained
+
+
+@pytest.mark.slow
 def test_both_workers_end_bit_identical(runs):
     _, data, logs, _ = runs
     for tag in RUNS:
         a, b = data[tag, 0], data[tag, 1]
         assert a["replicas"] == b["replicas"] == RUNS[tag][0] * RUNS[tag][1]
-        for key in ("w20", "w30", "w30_resumed") + (("w30_loaded",) if RUNS[tag][4] else ()):
+        for key in ("w20", "w30", "w30_resumed", "w_adamw_mixed") + (("w30_loaded",) if RUNS[tag][4] else ()):
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"{tag} {key}")
         assert max_slot_diff(a["slots"], b["slots"]) == 0.0  # every worker reads the same full state
         assert f"[0] JOB DONE {tag} 0" in logs[tag] and f"[1] JOB DONE {tag} 1" in logs[tag]

@@ -90,6 +90,17 @@ if stage:
         unclipped = build(scope=contextlib.nullcontext, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.5))
         unclipped.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
         record["w_unclipped_single"] = flat(unclipped)
+# 6. AdamW (decoupled weight decay) with a learning-rate schedule under the mixed_float16 policy:
+# Keras wraps it in a LossScaleOptimizer, which ZeRO must see through (the inner optimizer is sharded).
+keras.mixed_precision.set_global_policy("mixed_float16")
+schedule = lambda: keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=3, decay_rate=0.5)
+mixed = build(optimizer=lambda: keras.optimizers.AdamW(schedule(), weight_decay=0.1))
+mixed.fit(data, epochs=1, verbose=0)
+keras.mixed_precision.set_global_policy("float32")
+record["w_adamw_mixed"] = flat(mixed)
+inner = getattr(mixed.optimizer.inner_optimizer, "_tfdist_zero", None)  # the sharded one
+record["adamw_mixed_optimizer"] = [type(mixed.optimizer).__name__, mixed.layers[0].compute_dtype,
+                                   int(mixed.optimizer.iterations.numpy()), inner.stage if inner else 0]
 record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-*{os.getpid()}*"))
 record["replicas"] = strategy.num_replicas_in_sync
 with open(os.path.join(out, f"{tag}-rank{rank}.json"), "w") as f:
