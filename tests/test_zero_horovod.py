@@ -40,14 +40,18 @@ def max_rel(a: list, b: list) -> float:
     return max(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(x))), 1e-12)) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One 2-process job does it all (tests/zero_horovod_worker.py): stages 0/1/2, saves, reloads."""
-    out = tmp_path_factory.mktemp("zero_hvd")
-    code, log = launch([sys.executable, os.path.join(HERE, "zero_horovod_worker.py"), str(out)])
+def _worker_run(out, devices_per_worker: int = 1):
+    code, log = launch([sys.executable, os.path.join(HERE, "zero_horovod_worker.py"), str(out)],
+                       devices_per_worker=devices_per_worker)
     assert code == 0, log[-4000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return out, records
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One 2-process job does it all (tests/zero_horovod_worker.py): stages 0/1/2, saves, reloads."""
+    return _worker_run(tmp_path_factory.mktemp("zero_hvd"))
 
 
 def test_zero1_equals_stage0_exactly_and_zero2_within_1e4(run):
@@ -134,8 +138,34 @@ def test_full_checkpoint_into_zero_continues_like_stage0(run):
         assert max_rel(ref, arrays(out / f"cont2_rank{r}.npz")) < 1e-4
 
 
+def test_two_local_devices_per_rank_zero1_exact_zero2_within_1e4(tmp_path):
+    """2 ranks x 2 logical CPUs = 4 replicas, 4 shards: each rank owns two, stage 1 all-reduces like stage 0."""
+    out, records = _worker_run(tmp_path, devices_per_worker=2)
+    w0 = arrays(out / "s0_rank0.npz")
+    for r, record in enumerate(records):
+        for a, b in zip(w0, arrays(out / f"s1_rank{r}.npz")):
+            np.testing.assert_array_equal(a, b)
+        diff = max_rel(w0, arrays(out / f"s2_rank{r}.npz"))
+        print(f"\nrank {r}: 2x2 ZeRO-2 vs stage 0 max relative difference {diff:.2e}")
+        assert diff < 1e-4
+        for stage in ("1", "2"):
+            info = record["stages"][stage]
+            assert info["replicas"] == 4 and info["num_shards"] == 4 and info["shard_ids"] == [2 * r, 2 * r + 1]
+            shard = -(-info["num_params"] // 4)
+            for name in ("momentum", "velocity"):
+                assert [s["shape"] for s in info["slots"][name]] == [[shard], [shard]]
+                assert len({s["device"] for s in info["slots"][name]}) == 2  # one shard on each local device
+            kept = 4 * info["num_params"] if stage == "1" else 4 * shard  # 4 replicas: stage 1 all-reduces
+            assert [row["gradients"] for row in info["memory"]["rows"]] == [kept, kept]
+    for stage in (0, 1, 2):
+        for a, b in zip(arrays(out / f"s{stage}_rank0.npz"), arrays(out / f"s{stage}_rank1.npz")):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(arrays(out / "s0_state_rank0.npz"), arrays(out / "s1_state_rank0.npz")):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_tfdist_train_strategy_horovod_zero_stage_2_two_local_devices(tmp_path):
-    # 2 processes x 2 logical CPUs = 4 replicas: local sum, then hvd.reducescatter; --save gathers.
+    # 2 processes x 2 logical CPUs = 4 replicas: local sums, then hvd.alltoall; --save gathers.
     record, saved = tmp_path / "run.json", tmp_path / "model.keras"
     cmd = [os.path.join(BIN, "tfdist"), "train", "--strategy", "horovod", "--zero-stage", "2", "--dataset",
            "digits", "--epochs", "2", "--batch-size", "64", "--json", str(record), "--save", str(saved),

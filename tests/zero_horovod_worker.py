@@ -36,7 +36,6 @@ def main() -> int:
     HorovodShardCollectives.CHUNK_BYTES = 4096
 
     os.makedirs(out, exist_ok=True)
-    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
     record: dict = {"stages": {}, "continue": {}}
     rank = None
 
@@ -45,8 +44,9 @@ def main() -> int:
             return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
     for stage in (0, 1, 2):
-        strategy = tfdist.HorovodStrategy(zero_stage=stage)
+        strategy = tfdist.HorovodStrategy(zero_stage=stage)  # first: it may set up local logical CPUs
         rank = strategy.rank
+        ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
         with strategy.scope():
             model = tfdist.models.cnn((8, 8, 1), 10, filters=(4, 8), dense_units=16, seed=0)
             model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
