@@ -56,6 +56,24 @@ def test_zero2_within_1e4_relative_of_stage0(adam_runs):
     assert not np.allclose(m0.get_weights()[0], small_cnn().get_weights()[0])  # it did train
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero1_on_two_replicas_reduce_scatters_and_still_equals_stage0(offload):
+    # with two replicas a reduce-scatter adds the same two numbers as the all-reduce: stage 1 takes it
+    _, m0 = train(0, replicas=2, steps=8)
+    strategy = tfdist.MirroredStrategy(tfdist.devices.virtual_cpus(4)[:2], zero_stage=1, offload=offload)
+    with strategy.scope():
+        m1 = small_cnn()
+        m1.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    m1.fit(X, Y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert m1.optimizer._tfdist_zero.reduce_scatters
+    for a, b in zip(m0.get_weights(), m1.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for v0, v1 in zip(m0.optimizer.variables, m1.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(v0.numpy()), np.asarray(v1.numpy()))
+    shard = -(-m1.count_params() // 2)
+    assert [row.gradients for row in strategy.memory_report(m1).rows] == [4 * shard, 4 * shard]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_slots_live_only_on_their_owner(adam_runs, stage):
     strategy, model = adam_runs[stage]
