@@ -31,8 +31,8 @@ class TFShardCollectives(ShardCollectives):
 
     Every worker must make the same calls in the same order: reading the logical optimizer state
     (checkpoint saving) all-gathers, so every worker takes part in a save
-    (tfdist.cluster.ModelCheckpoint, BackupAndRestore and save_model do). A collective that waits longer than the strategy's
-    `timeout_s` fails with a ConfigError instead of hanging.
+    (tfdist.cluster.ModelCheckpoint, BackupAndRestore and save_model do). A collective that waits
+    longer than the strategy's `timeout_s` fails with a ConfigError instead of hanging.
 
     Example:
         >>> strategy = tfdist.MultiWorkerMirroredStrategy(zero_stage=2)   # under `tfdist launch -n 2`

@@ -40,7 +40,7 @@ class SlotShards:
         self.layout, self.comm = layout, comm
         self.devices = list(devices)  # where each local shard lives (the replica's device or the host)
         self.host_device = host_device
-        self.owner = owner  # e.g. "ZeRO stage 2", for error messages
+        self.owner = owner  # e.g. "ZeRO stage 2 (Adam)", for error messages
         self._local = {sid: i for i, sid in enumerate(comm.shard_ids)}
         self._gathered: dict[str, tf.Tensor] | None = None  # full slots while inside gathered()
         self._collective_reads = 0  # > 0 inside collective_reads()
@@ -48,8 +48,8 @@ class SlotShards:
     def shards(self, slot: str) -> list:
         """The local shard variables of `slot`."""
         if slot not in self.slots:
-            raise ConfigError(f"{self.owner}: the optimizer asked for slot {slot!r} that its shard optimizer did "
-                              f"not create (it has {self.names}); this optimizer is not supported.")
+            raise ConfigError(f"{self.owner}: the optimizer asked for slot {slot!r} that its shard optimizer "
+                              f"did not create (it has {self.names}); this optimizer is not supported.")
         return self.slots[slot]
 
     def read(self, var: int, slot: str) -> tf.Tensor:

@@ -233,7 +233,7 @@ class ZeroEngine:
             i = next(k for k, s in enumerate(self.shard_params) if id(s) == ref_id)
             slots.setdefault(name, [None] * len(self.shard_params))[i] = var
         self.state = SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device,
-                                owner=f"ZeRO stage {self.stage}")
+                                owner=f"ZeRO stage {self.stage} ({type(self.optimizer).__name__})")
         own = {id(v) for vs in slots.values() for v in vs} | {id(self.inner.iterations)}
         lr = getattr(self.inner, "_learning_rate", None)
         for v in self.inner.variables:
