@@ -174,6 +174,19 @@ class SlurmHarness:
             time.sleep(0.2)
         raise TimeoutError(f"job {job_id} was not requeued within {timeout} s:\n{self.log_tail()}")
 
+    def start_requeued_now(self, job_id: str, timeout: float = 120) -> dict[str, str]:
+        """Waits for the requeue, then lets the job start at once instead of after SLURM's requeue delay
+        (BeginTime = requeue time + ~2 min, hard-coded in slurmctld; seen here: 150 s).
+
+        Not within the second of the kill: slurmd revokes the killed run's credential with a
+        whole-second timestamp and refuses a credential of the same job created in that second
+        ("Killing non-startable batch JobId=N: Job credential revoked"; seen once in CI).
+        """
+        info = self.wait_requeued(job_id, timeout)
+        time.sleep(2.0)
+        self.scontrol("update", f"JobId={job_id}", "StartTime=now")
+        return info
+
     def scancel_signal(self, job_id: str, sig: str) -> None:
         """Sends `sig` to the job's steps, as `sbatch --signal=SIG@T` does before the time limit."""
         _sh_env(["scancel", f"--signal={sig}", job_id], self.env)
