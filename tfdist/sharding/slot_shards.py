@@ -36,7 +36,6 @@ class SlotShards:
     def __init__(self, slots: dict[str, list], layout: FlatLayout, comm: ShardCollectives,
                  devices: Sequence[str], host_device: str, owner: str):
         self.slots = slots
-        self.names = list(slots)
         self.layout, self.comm = layout, comm
         self.devices = list(devices)  # where each local shard lives (the replica's device or the host)
         self.host_device = host_device
@@ -44,6 +43,11 @@ class SlotShards:
         self._local = {sid: i for i, sid in enumerate(comm.shard_ids)}
         self._gathered: dict[str, tf.Tensor] | None = None  # full slots while inside gathered()
         self._collective_reads = 0  # > 0 inside collective_reads()
+
+    @property
+    def names(self) -> list[str]:
+        """The slot names, in the order the shard optimizer created them (e.g. Adam: momentum, velocity)."""
+        return list(self.slots)
 
     def shards(self, slot: str) -> list:
         """The local shard variables of `slot`."""
