@@ -11,7 +11,6 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist import compat
 from tfdist.errors import ConfigError
 from tfdist.placement import block_partition, describe_model, make_plan
 
@@ -116,8 +115,8 @@ def test_training_backward_needs_no_input_gradient_before_the_first_weights():
     mlp = keras.Sequential([keras.Input((6, 2)), keras.layers.Flatten(name="flat"),
                             keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
                             keras.layers.Dense(3, name="c")])
-    assert needs_input_gradients(compat.model_graph(mlp)) == [False, False, True, True]
-    graph = compat.model_graph(branchy())
+    assert needs_input_gradients(tfdist.placement.layer_graph(mlp)) == [False, False, True, True]
+    graph = tfdist.placement.layer_graph(branchy())
     flags = dict(zip([layer.name for layer, *_ in graph], needs_input_gradients(graph)))
     assert flags == {"stem": False, "left": True, "right": True, "merge": True, "deep": True, "cat": True,
                      "out": True}
@@ -230,7 +229,7 @@ def test_forward_backward_and_updates_run_on_stage_devices(micro_batches):
     model = compiled(small_cnn, strategy, optimizer=lambda: keras.optimizers.Adam(0.01))
     x, y = data("cnn")
     # TF's own record of the partition graphs it executed (after placement) on the first step.
-    executed = compat.executed_partition_devices(
+    executed = tfdist.placement.executed_devices(
         lambda: model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, verbose=0))
     plan = strategy.placement_plan()
     names = set(plan.stage_of)

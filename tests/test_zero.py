@@ -61,7 +61,7 @@ def test_zero1_on_two_replicas_reduce_scatters_and_still_equals_stage0(offload):
     # with two replicas a reduce-scatter adds the same two numbers as the all-reduce: stage 1 takes it
     _, m0 = train(0, replicas=2, steps=8)
     strategy, m1 = train(1, replicas=2, steps=8, offload=offload)
-    assert m1.optimizer._tfdist_zero.reduce_scatters
+    assert tfdist.sharding.engine_of(m1.optimizer).reduce_scatters
     for a, b in zip(m0.get_weights(), m1.get_weights()):
         np.testing.assert_array_equal(a, b)
     for v0, v1 in zip(m0.optimizer.variables, m1.optimizer.variables):
@@ -73,7 +73,7 @@ def test_zero1_on_two_replicas_reduce_scatters_and_still_equals_stage0(offload):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_slots_live_only_on_their_owner(adam_runs, stage):
     strategy, model = adam_runs[stage]
-    engine = model.optimizer._tfdist_zero
+    engine = tfdist.sharding.engine_of(model.optimizer)
     devices = [tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices]
     n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     shard = -(-n_params // 4)
@@ -159,7 +159,7 @@ def test_mixed_precision_policy(policy):
     assert runs[1].layers[0].compute_dtype == policy.split("_")[1]
     optimizer = runs[2].optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    assert inner._tfdist_zero.stage == 2 and int(optimizer.iterations.numpy()) == 4
+    assert tfdist.sharding.engine_of(inner).stage == 2 and int(optimizer.iterations.numpy()) == 4
     assert max_rel(runs[0].get_weights(), runs[1].get_weights()) == 0.0
     assert max_rel(runs[0].get_weights(), runs[2].get_weights()) < 1e-4
     assert max_rel(runs[0].get_weights(), small_cnn().get_weights()) > 1e-3  # it trained
@@ -171,7 +171,7 @@ def test_offload_matches_and_places_state_on_host():
         model = small_cnn()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    engine = model.optimizer._tfdist_zero
+    engine = tfdist.sharding.engine_of(model.optimizer)
     host = tf.DeviceSpec.from_string(engine.config.host_device).to_string()
     assert all(tf.DeviceSpec.from_string(v.value.device).to_string() == host for v in engine.state.slots["momentum"])
     _, ref = train(2, lambda: keras.optimizers.Adam(), steps=4)

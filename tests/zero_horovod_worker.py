@@ -60,7 +60,7 @@ def main() -> int:
         print(f"stage {stage}: fitted", flush=True)
         info: dict = {"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
                       "memory": strategy.memory_report(model).to_dict()}
-        engine = getattr(model.optimizer, "_tfdist_zero", None)
+        engine = tfdist.sharding.engine_of(model.optimizer)
         if engine is not None:
             info["shard_ids"] = list(engine.comm.shard_ids)
             info["num_shards"] = engine.comm.num_shards

@@ -47,7 +47,7 @@ a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.cluster.BackupAndRestore(back
                                             tfdist.cluster.ModelCheckpoint(os.path.join(out, f"{tag}.keras"))])
 record["w20"], record["slots"] = flat(a), state(a)
 tfdist.cluster.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
-engine = getattr(a.optimizer, "_tfdist_zero", None)
+engine = tfdist.sharding.engine_of(a.optimizer)
 if engine is not None:  # tf.train.Checkpoint: every worker writes (gathering), the chief's copy is kept
     where = out if rank == 0 else tempfile.mkdtemp(prefix="ckpt-")
     tf.train.Checkpoint(model=a, optimizer=a.optimizer).write(os.path.join(where, f"{tag}-tf"))
@@ -98,7 +98,7 @@ mixed = build(optimizer=lambda: keras.optimizers.AdamW(schedule(), weight_decay=
 mixed.fit(data, epochs=1, verbose=0)
 keras.mixed_precision.set_global_policy("float32")
 record["w_adamw_mixed"] = flat(mixed)
-inner = getattr(mixed.optimizer.inner_optimizer, "_tfdist_zero", None)  # the sharded one
+inner = tfdist.sharding.engine_of(mixed.optimizer.inner_optimizer)  # the sharded one
 record["adamw_mixed_optimizer"] = [type(mixed.optimizer).__name__, mixed.layers[0].compute_dtype,
                                    int(mixed.optimizer.iterations.numpy()), inner.stage if inner else 0]
 record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-*{os.getpid()}*"))

@@ -32,11 +32,12 @@ _LAZY = {
     "auto_strategy": "tfdist.strategies.auto",
     "cluster": "tfdist.cluster",
     "placement": "tfdist.placement",
-    "compat": "tfdist.compat",
     "data": "tfdist.data",
     "devices": "tfdist.devices",
     "models": "tfdist.models",
     "sharding": "tfdist.sharding",
+    "training": "tfdist.training",
+    "comm": "tfdist.comm",
     "strategies": "tfdist.strategies",
 }
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot, on the Agg backend outside notebooks (scripts and CI have no display)."""
     import matplotlib
 
-    if not _in_notebook():  # scripts and CI have no display
+    if not _in_notebook():
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -26,7 +27,7 @@ def _in_notebook() -> bool:
 
 def plot_curves(history: dict[str, list[float]], path: str | None = None, title: str = "Training"):
     """Plots loss and accuracy per epoch (train and, if present, validation); saves to `path` if given."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -49,7 +50,7 @@ def plot_curves(history: dict[str, list[float]], path: str | None = None, title:
 
 def plot_predictions(images: np.ndarray, labels: np.ndarray, predicted: np.ndarray, cols: int = 8, path: str | None = None):
     """A grid of images titled 'predicted (true)'; wrong predictions in red."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = int(np.ceil(len(images) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.3, rows * 1.5))
     for ax, img, true, pred in zip(np.ravel(axes), images, labels, predicted):
@@ -72,7 +73,7 @@ def confusion_matrix(labels: np.ndarray, predicted: np.ndarray, num_classes: int
 
 def plot_confusion(labels: np.ndarray, predicted: np.ndarray, num_classes: int, path: str | None = None):
     """A confusion-matrix heat map with counts written in each cell."""
-    plt = _pyplot()
+    plt = pyplot()
     counts = confusion_matrix(labels, predicted, num_classes)
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(counts, cmap="Blues")

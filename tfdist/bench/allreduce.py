@@ -30,11 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     horovod.add_argument("--no-gloo", action="store_true", help="skip the run under Horovod's Gloo controller")
 
 
-def bus_bandwidth(nbytes: int, seconds: float, n: int) -> float:
-    """Bus bandwidth in bytes/s: 2(n-1)/n * bytes / time, the traffic each link carries in a ring all-reduce."""
-    return 2 * (n - 1) / n * nbytes / seconds
-
-
 def run(args: argparse.Namespace) -> int:
     from tfdist.errors import ConfigError
 
@@ -60,15 +55,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_tf(args: argparse.Namespace) -> dict:
     from tfdist.bench.common import machine
-    from tfdist.cluster.launcher import launch
+    from tfdist.bench.processes import module_command, run_workers
     from tfdist.errors import ConfigError
 
     with tempfile.TemporaryDirectory(prefix="tfdist-allreduce-") as tmp:
         result_path = os.path.join(tmp, "rank0.json")
-        cmd = [sys.executable, "-m", "tfdist.bench.allreduce", "--worker", result_path, "--iters", str(args.iters),
-               "--warmup", str(args.warmup), "--sizes-mb", *map(str, args.sizes_mb)]
+        cmd = module_command("tfdist.bench.allreduce", worker=result_path, iters=args.iters, warmup=args.warmup,
+                             sizes_mb=args.sizes_mb)
         log = io.StringIO()
-        code = launch(cmd, args.num_workers, backend="tf", out=log, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+        code = run_workers(cmd, args.num_workers, launcher="tf", out=log)
         if code != 0 or not os.path.exists(result_path):
             raise ConfigError(f"all-reduce workers failed (exit code {code}):\n{log.getvalue()[-3000:]}")
         with open(result_path) as f:
@@ -98,6 +93,8 @@ def _worker(argv: list[str]) -> int:
 
     strategy = tfdist.MultiWorkerMirroredStrategy(communication="ring", timeout_s=300)  # first: before any op
     import tensorflow as tf
+
+    from tfdist.bench.common import bus_bandwidth
 
     n = tfdist.cluster.world_size(strategy)
     results = []

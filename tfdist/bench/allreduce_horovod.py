@@ -1,6 +1,6 @@
 """`tfdist bench allreduce --backend horovod`: bus bandwidth of raw Horovod, HorovodStrategy's gradient path, mpi4py.
 
-Runs itself as 2 ranks (mpirun; then again under tfdist's GlooBackend for the Gloo figures) and
+Runs itself as 2 ranks (mpirun; then again under tfdist's launcher with Horovod's Gloo controller) and
 measures, interleaved in one run, at each size: raw `hvd.allreduce` of one float32 tensor, the
 reduction of a Keras 3 fit step under `tfdist.HorovodStrategy` (`replica_context.all_reduce(SUM)` on a
 list of gradient-shaped tensors totalling that size, in a tf.function, as the optimizer does), and
@@ -15,15 +15,12 @@ import argparse
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 NAME = "allreduce-horovod"
 HELP = "all-reduce bus bandwidth: raw Horovod vs HorovodStrategy's gradient path vs mpi4py (2 ranks)"
-_ROLE = "TFDIST_BENCH_ALLREDUCE_ROLE"
 TARGET_RATIO = 0.9  # HorovodStrategy >= 0.9 x raw Horovod at 16 MB
 
 
@@ -120,31 +117,16 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, controller: str, out: str) -> dict:
-    cmd = [sys.executable, "-m", "tfdist.bench.allreduce_horovod", "--sizes-mb", *map(str, args.sizes_mb),
-           "--iters", str(args.iters), "--rounds", str(args.rounds), "--json", out]
-    env = {**os.environ, _ROLE: "worker", "TF_CPP_MIN_LOG_LEVEL": "2",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    if controller == "mpi":
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            from tfdist.errors import ConfigError
+    """Runs the ranks under `controller` ("mpi": mpirun; "gloo": tfdist's launcher with Horovod's Gloo
+    rendezvous) and returns what rank 0 wrote to `out`."""
+    from tfdist.bench.processes import module_command, run_workers
 
-            raise ConfigError("mpirun is not on PATH; install OpenMPI (apt-get install openmpi-bin libopenmpi-dev).")
-        subprocess.run([mpirun, "-np", str(args.np), "--oversubscribe", *cmd], env=env, check=True, timeout=900)
-    else:
-        from tfdist.cluster.horovod_env import GlooBackend
-
-        with GlooBackend().environments(args.np, devices_per_worker=1) as envs:
-            procs = [subprocess.Popen(cmd, env={**env, **e}) for e in envs]
-            try:
-                codes = [p.wait(timeout=900) for p in procs]
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-            if any(codes):
-                raise RuntimeError(f"benchmark ranks failed under Gloo: exit codes {codes}")
+    cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=args.sizes_mb, iters=args.iters,
+                         rounds=args.rounds, json=out)
+    launcher = "mpirun" if controller == "mpi" else "horovod"
+    code = run_workers(cmd, args.np, launcher=launcher, mpirun_options=["--oversubscribe"])
+    if code != 0:
+        raise RuntimeError(f"benchmark ranks failed under {launcher}: exit code {code}")
     with open(out) as f:
         return json.load(f)
 
@@ -153,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     """Launches the ranks, prints the table and ratios, writes JSON; returns the record."""
     import statistics
 
-    from tfdist.bench.common import machine, write_json
+    from tfdist.bench.common import bus_bandwidth, machine, write_json
 
     for name, default in (("np", 2), ("rounds", 3), ("no_gloo", False)):
         if not hasattr(args, name):
@@ -172,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
                 t = statistics.median(seconds)
                 nbytes = float(size) * 1024 * 1024
                 results.setdefault(label, {})[size] = {
-                    "median_ms": 1000 * t, "busbw_gbps": 2 * (n - 1) / n * nbytes / t / 1e9, "samples": len(seconds)}
+                    "median_ms": 1000 * t, "busbw_gbps": bus_bandwidth(nbytes, t, n) / 1e9, "samples": len(seconds)}
     sizes = [f"{float(s):g}" for s in args.sizes_mb]
     print(f"all-reduce bus bandwidth, {n} ranks, float32, median of {args.iters} x {args.rounds} rounds (GB/s)")
     print(f"{'engine':22s}" + "".join(f"{s + ' MB':>12s}" for s in sizes))
@@ -213,9 +195,9 @@ def _all_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tfdist.bench.selflaunch import worker_or_driver_main
+    from tfdist.bench.processes import worker_or_driver_main
 
-    return worker_or_driver_main("python -m tfdist.bench.allreduce_horovod", HELP, _all_arguments, _ROLE,
+    return worker_or_driver_main("python -m tfdist.bench.allreduce_horovod", HELP, _all_arguments,
                                  _worker, run, argv)
 
 

@@ -1,4 +1,4 @@
-"""Shared pieces of benchmarks: step timing, interleaved rounds, JSON output."""
+"""Shared pieces of benchmarks: step timing, interleaved rounds, bus bandwidth, JSON and PNG output."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def median_ms(seconds: Sequence[float]) -> float:
     return 1000.0 * statistics.median(seconds)
 
 
+def bus_bandwidth(nbytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth in bytes/s of an all-reduce of `nbytes` over `n` ranks: 2(n-1)/n * bytes / time,
+    what each link carries in a ring all-reduce (comparable across n, unlike bytes / time)."""
+    return 2 * (n - 1) / n * nbytes / seconds
+
+
 def machine() -> dict:
     import tensorflow as tf
 
@@ -59,10 +65,10 @@ def write_json(path: str | None, record: dict) -> None:
     print(f"wrote {path}")
 
 
-def save_figure(fig, path: str) -> None:
+def save_figure(fig, path: str, dpi: int = 120) -> None:
     """Writes a matplotlib figure (tight layout), creating its directory."""
     fig.tight_layout()
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     print(f"wrote {path}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import statistics
 import tempfile
 
 NAME = "pipeline"
@@ -36,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_space(xspace_path: str):
-    from tfdist import compat
+    from tfdist._compat.tf_runtime import xspace_proto
 
-    space = compat.xspace_proto()()
+    space = xspace_proto()()
     with open(xspace_path, "rb") as f:
         space.ParseFromString(f.read())
     return space
@@ -131,7 +130,7 @@ def _measure(micro_batches: int, args, data, devices):
     import tensorflow as tf
 
     import tfdist
-    from tfdist import compat
+    from tfdist._compat.tf_runtime import executed_partition_devices
 
     streams = {"auto": None, "on": True, "off": False}[getattr(args, "stage_streams", "auto")]
     strategy = tfdist.LayerPlacementStrategy(devices, micro_batches=micro_batches, balance=args.balance,
@@ -145,7 +144,7 @@ def _measure(micro_batches: int, args, data, devices):
     x, y = data.arrays.x_train[:n], data.arrays.y_train[:n]
     train = tf.data.Dataset.from_tensors((tf.constant(x), tf.constant(y))).repeat()
     fit = lambda steps: model.fit(train, epochs=1, steps_per_epoch=steps, verbose=0)  # noqa: E731
-    device_of = compat.executed_partition_devices(lambda: fit(1))  # TF's placement of every node
+    device_of = executed_partition_devices(lambda: fit(1))  # TF's placement of every node
     fit(3)
     # Steps are profiled inside one `fit` and the first is dropped: its input iterator is new
     # (each fit starts an epoch), so its first batch arrives cold; later steps find the next
@@ -174,9 +173,10 @@ def _measure(micro_batches: int, args, data, devices):
 
 def plot_timeline(results: list[dict], stages: int, path: str | None = None):
     """One panel per M, one row per stage: when each stage's device was running ops."""
-    from tfdist.plots import _pyplot
+    from tfdist.bench.common import save_figure
+    from tfdist.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 1.3 + 1.1 * len(results)), sharex=True, squeeze=False)
     colours = plt.get_cmap("tab10")
     for ax, r in zip(axes[:, 0], results):
@@ -191,8 +191,7 @@ def plot_timeline(results: list[dict], stages: int, path: str | None = None):
     axes[-1, 0].set_xlabel("ms since the step's first op")
     fig.tight_layout()
     if path:
-        fig.savefig(path, dpi=100)
-        print(f"wrote {path}")
+        save_figure(fig, path, dpi=100)
     return fig
 
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 NAME = "scaling"
 HELP = "CNN images/s and scaling efficiency: 1 process x 1 core vs N processes x 1 core (HorovodStrategy)"
-_ROLE = "TFDIST_BENCH_SCALING_ROLE"
 TARGET_EFFICIENCY = 0.9  # Horovod's published headline
 
 
@@ -60,28 +57,25 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, np_: int, out: str) -> dict:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        from tfdist.errors import ConfigError
+    from tfdist.bench.processes import module_command, run_workers
 
-        raise ConfigError("mpirun is not on PATH; install OpenMPI (apt-get install openmpi-bin libopenmpi-dev).")
+    cmd = module_command("tfdist.bench.scaling", worker=True, batch_per_process=args.batch_per_process,
+                         steps=args.steps, json=out)
     # One core per process holds TensorFlow's thread and Horovod's background thread: OpenMPI must
-    # yield while it waits, not spin (spinning took 64 % efficiency to 88 % here, 2-core box).
-    cmd = [mpirun, "-np", str(np_), "--bind-to", "core", "--map-by", "core", "--mca", "mpi_yield_when_idle", "1",
-           sys.executable, "-m",
-           "tfdist.bench.scaling", "--batch-per-process", str(args.batch_per_process), "--steps", str(args.steps),
-           "--json", out]
-    env = {**os.environ, _ROLE: "worker", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    subprocess.run(cmd, env=env, check=True, timeout=900)
+    # yield while it waits, not spin, or the two fight over the core.
+    pinning = ["--bind-to", "core", "--map-by", "core", "--mca", "mpi_yield_when_idle", "1"]
+    code = run_workers(cmd, np_, launcher="mpirun", mpirun_options=pinning, env={"OMP_NUM_THREADS": "1"})
+    if code != 0:
+        raise RuntimeError(f"{np_}-process run under mpirun failed: exit code {code}")
     with open(out) as f:
         return json.load(f)
 
 
 def _plot(record: dict, path: str) -> None:
-    from tfdist.plots import _pyplot
+    from tfdist.bench.common import save_figure
+    from tfdist.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
     procs = [1, record["processes"]]
     measured = [record["images_per_sec"]["1"], record["images_per_sec"][str(record["processes"])]]
@@ -91,12 +85,8 @@ def _plot(record: dict, path: str) -> None:
     ax.set_ylabel("images / s")
     ax.set_title(f"HorovodStrategy weak scaling: {100 * record['efficiency']:.0f} % efficiency")
     ax.legend()
-    fig.tight_layout()
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
-    print(f"wrote {path}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,9 +127,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tfdist.bench.selflaunch import worker_or_driver_main
+    from tfdist.bench.processes import worker_or_driver_main
 
-    return worker_or_driver_main("python -m tfdist.bench.scaling", HELP, add_arguments, _ROLE, _worker, measure, argv)
+    return worker_or_driver_main("python -m tfdist.bench.scaling", HELP, add_arguments, _worker, measure, argv)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import subprocess
 import sys
-import textwrap
+import tempfile
+
+from tfdist.bench.models import mlp, mlp_data
 
 NAME = "zero"
 HELP = "ZeRO stages 0/1/2: per-replica bytes vs formula, peak RSS per stage, step time ratios"
@@ -33,57 +35,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench_zero.png", help="where to write the figure ('' to skip)")
 
 
-def mlp(width: int, inputs: int = 1024, outputs: int = 1024, seed: int = 0):
-    """Input(inputs) -> Dense(width) -> Dense(width) -> Dense(outputs): 25.2M parameters at width 4096."""
-    import keras
+def _rss_worker(argv: list[str]) -> int:
+    """One stage in a fresh process, so that the process's peak RSS is that stage's alone: trains the
+    MLP on `--replicas` logical CPUs and writes the peak RSS and memory report to `--json`."""
+    p = argparse.ArgumentParser()
+    for name in ("--stage", "--replicas", "--width"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+    import tfdist
+    from tfdist.bench.memory import resident_bytes
 
-    init = keras.initializers.GlorotUniform(seed=seed)
-    return keras.Sequential([
-        keras.Input((inputs,)),
-        keras.layers.Dense(width, activation="relu", kernel_initializer=init, name="fc1"),
-        keras.layers.Dense(width, activation="relu", kernel_initializer=init, name="fc2"),
-        keras.layers.Dense(outputs, kernel_initializer=init, name="out"),
-    ], name=f"mlp{width}")
-
-
-def _mlp_data(n: int = 256, inputs: int = 1024, outputs: int = 1024):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(n, inputs)).astype("float32"), rng.normal(size=(n, outputs)).astype("float32")
-
-
-# Runs in a fresh process per stage: the process's peak RSS then belongs to that stage alone.
-_RSS_CHILD = """
-import json, os, resource, sys
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import tfdist
-from tfdist.bench.zero import mlp, _mlp_data
-stage, replicas, width = (int(a) for a in sys.argv[1:4])
-tfdist.devices.virtual_cpus(replicas)
-strategy = tfdist.MirroredStrategy(zero_stage=stage)
-x, y = _mlp_data(64)
-with strategy.scope():
-    model = mlp(width)
-    model.compile(optimizer="adam", loss="mse")
-model.fit(x, y, batch_size=64, epochs=3, verbose=0)
-report = strategy.memory_report(model)
-# VmHWM: peak RSS of this process image. (ru_maxrss keeps the parent's peak across fork+exec.)
-with open("/proc/self/status") as f:
-    hwm = next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")), None)
-peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print("RESULT " + json.dumps({"peak_rss_bytes": peak, "report": report.to_dict()}))
-"""
+    tfdist.devices.virtual_cpus(a.replicas)
+    strategy = tfdist.MirroredStrategy(zero_stage=a.stage)
+    x, y = mlp_data(64)
+    with strategy.scope():
+        model = mlp(a.width)
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+    report = strategy.memory_report(model)
+    with open(a.json, "w") as f:
+        json.dump({"peak_rss_bytes": resident_bytes()["peak"], "report": report.to_dict()}, f)
+    return 0
 
 
 def measure_rss(stage: int, replicas: int, width: int) -> dict:
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RSS_CHILD), str(stage), str(replicas), str(width)],
-                          capture_output=True, text=True, timeout=900, env=env)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"RSS child for stage {stage} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    """Peak RSS and memory report of one stage, from a process of its own (see _rss_worker)."""
+    from tfdist.bench.processes import module_command, run_workers
+
+    with tempfile.TemporaryDirectory(prefix="tfdist-bench-zero-") as tmp:
+        path = os.path.join(tmp, "rss.json")
+        log = io.StringIO()
+        cmd = module_command("tfdist.bench.zero", stage=stage, replicas=replicas, width=width, json=path)
+        # One process under the launcher ("tf": a 1-worker TF_CONFIG, which MirroredStrategy ignores).
+        code = run_workers(cmd, 1, launcher="tf", out=log)
+        if code != 0 or not os.path.exists(path):
+            raise RuntimeError(f"RSS child for stage {stage} failed (exit code {code}):\n{log.getvalue()[-3000:]}")
+        with open(path) as f:
+            return json.load(f)
 
 
 def _memory_in_process(replicas: int, width: int) -> dict:
@@ -95,7 +84,7 @@ def _memory_in_process(replicas: int, width: int) -> dict:
     import tfdist
     from tfdist.strategies.factory import local_replica_devices
 
-    x, y = _mlp_data(64)
+    x, y = mlp_data(64)
     out = {}
     for stage in STAGES:
         strategy = tfdist.MirroredStrategy(local_replica_devices(replicas), zero_stage=stage)
@@ -188,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                              args.steps, args.rounds, None)
     big_times = None
     if args.big_steps:
-        big_times = _time_stages(lambda: mlp(args.width), "mse", _mlp_data(256), args.replicas,
+        big_times = _time_stages(lambda: mlp(args.width), "mse", mlp_data(256), args.replicas,
                                  args.big_steps, args.big_rounds, 64)
 
     n = memory[0].num_params
@@ -224,11 +213,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(record: dict, path: str) -> None:
-    import matplotlib
+    from tfdist.bench.common import save_figure
+    from tfdist.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     stages = [int(s) for s in record["memory"]]
@@ -256,6 +244,8 @@ def plot(record: dict, path: str) -> None:
     ax.set_xticks([j + 0.2 for j in range(3)], [f"ZeRO-{s}" for s in STAGES])
     ax.set_ylabel("median step time / stage 0")
     ax.legend(fontsize=7)
-    from tfdist.bench.common import save_figure
-
     save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(_rss_worker(sys.argv[1:]))

@@ -14,8 +14,8 @@ STAGES = (0, 1, 2)
 STRATEGY_OF_BACKEND = {"horovod": "horovod", "tf": "multiworker"}
 # Each stage runs twice. "pooled": TF's default CPU allocator (oneDNN build: a BFC pool whose regions
 # double in size, 2 MiB up to 512 MiB, and are never returned), which gives the step time and TF's
-# own count of live bytes; its peak RSS moves in steps of a pool region, far coarser than the
-# 96-144 MiB that ZeRO saves here. "returning": TF's plain CPU allocator (malloc) with glibc told to
+# own count of live bytes; its peak RSS moves in steps of a pool region, too coarse to show what
+# ZeRO saves on a model of this size. "returning": TF's plain CPU allocator (malloc) with glibc told to
 # map every block >= 1 MiB on its own and unmap it when freed (a fixed mmap threshold also stops
 # glibc's sliding one from keeping freed blocks in its heap), so peak RSS follows live memory.
 ALLOCATORS = {
@@ -41,12 +41,13 @@ def _child(argv: list[str]) -> int:
 
     import tfdist
     from tfdist.bench.common import StepTimer, median_ms
-    from tfdist.bench.zero import _mlp_data, mlp
+    from tfdist.bench.memory import resident_bytes, tf_allocator_bytes
+    from tfdist.bench.models import mlp, mlp_data
 
     options = {"zero_stage": a.stage} if a.stage else {}
     strategy = tfdist.strategies.make_strategy(a.strategy, **options)
     rank = tfdist.cluster.rank(strategy)
-    x, y = _mlp_data(a.batch_size)
+    x, y = mlp_data(a.batch_size)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(a.batch_size).repeat()
     with strategy.scope():
         model = mlp(a.width)
@@ -54,24 +55,22 @@ def _child(argv: list[str]) -> int:
     timer = StepTimer()
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
-    with open("/proc/self/status") as f:  # resident set with the model and optimizer state built
-        before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    tf_built = _tf_memory(reset=True)
+    before = resident_bytes()["now"]  # with the model and optimizer state built
+    tf_built = tf_allocator_bytes(reset=True)
     model.fit(data, epochs=1, steps_per_epoch=3, verbose=0)  # trace and warm up
-    tf_warmup = _tf_memory(reset=True)  # its peak includes tracing and the initial variable sync
+    tf_warmup = tf_allocator_bytes(reset=True)  # its peak includes tracing and the initial variable sync
     model.fit(data, epochs=1, steps_per_epoch=a.steps + 1, verbose=0, callbacks=[timer])
     report = strategy.memory_report(model) if hasattr(strategy, "memory_report") else None
-    with open("/proc/self/status") as f:  # VmHWM: the peak resident set of this process; VmRSS: now
-        status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith("Vm")}
-    hwm = status["VmHWM"]
-    tf_after = _tf_memory()
+    resident = resident_bytes()
+    hwm = resident["peak"]
+    tf_after = tf_allocator_bytes()
     save_seconds = None
     if a.allocator == "pooled":
         start = time.perf_counter()  # after VmHWM: a save gathers the state, which is not the training peak
         tfdist.cluster.save_model(model, os.path.join(a.out, f"stage{a.stage}.keras"))  # every rank, chief writes
         save_seconds = time.perf_counter() - start
     record = {"rank": rank, "stage": a.stage, "allocator": a.allocator, "peak_rss_bytes": hwm,
-              "rss_after_bytes": status["VmRSS"], "rss_before_fit_bytes": before,
+              "rss_after_bytes": resident["now"], "rss_before_fit_bytes": before,
               "tf_step_peak_bytes": tf_after and tf_after["peak"],
               "tf_warmup_peak_bytes": tf_warmup and tf_warmup["peak"],
               "tf_built_bytes": tf_built and tf_built["current"],
@@ -85,34 +84,15 @@ def _child(argv: list[str]) -> int:
     tf_line = (f"TF allocator: built {tf_built['current'] / 2**20:.1f}, warm-up peak {tf_warmup['peak'] / 2**20:.1f}, "
                f"step peak {tf_after['peak'] / 2**20:.1f} MiB; " if tf_after else "")
     print(f"rank {rank} stage {a.stage} ({a.allocator} allocator): {tf_line}peak RSS {hwm / 2**20:.1f} MiB "
-          f"(built {before / 2**20:.1f}, after {status['VmRSS'] / 2**20:.1f}), "
+          f"(built {before / 2**20:.1f}, after {resident['now'] / 2**20:.1f}), "
           f"median step {record['median_step_ms']:.1f} ms", flush=True)
     return 0
-
-
-def _tf_memory(reset: bool = False) -> dict | None:
-    """Bytes in use now and at peak in TF's CPU allocator (None where TF keeps no statistics).
-
-    TF's oneDNN build (the default on x86) serves tensors of 256 KB and more from a BFC pool that
-    counts them exactly; that pool grows in regions and never shrinks, so process RSS follows the
-    pool's size (live tensors plus fragmentation) in steps of a region. With TF_ENABLE_ONEDNN_OPTS=0
-    tensors come from malloc and TF keeps no statistics.
-    """
-    import tensorflow as tf
-
-    try:
-        info = tf.config.experimental.get_memory_info("CPU:0")
-        if reset:
-            tf.config.experimental.reset_memory_stats("CPU:0")
-        return info
-    except ValueError:
-        return None
 
 
 def run_processes(args: argparse.Namespace) -> dict:
     """Launches `args.processes` ranks per stage and allocator (one launch each, so each peak RSS is
     that stage's alone)."""
-    from tfdist.cluster.launcher import launch
+    from tfdist.bench.processes import module_command, run_workers
     from tfdist.errors import ConfigError
 
     if args.backend not in STRATEGY_OF_BACKEND:
@@ -123,10 +103,10 @@ def run_processes(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-zero-") as out:
         for stage in STAGES:
             for allocator, env in ALLOCATORS.items():
-                cmd = [sys.executable, "-m", "tfdist.bench.zero_procs", "--strategy", strategy, "--stage", str(stage),
-                       "--width", str(args.width), "--steps", str(args.proc_steps),
-                       "--batch-size", str(args.proc_batch_size), "--out", out, "--allocator", allocator]
-                code = launch(cmd, n, backend=args.backend, env={"TF_CPP_MIN_LOG_LEVEL": "2", **env}, timeout_s=900)
+                cmd = module_command("tfdist.bench.zero_procs", strategy=strategy, stage=stage, width=args.width,
+                                     steps=args.proc_steps, batch_size=args.proc_batch_size, out=out,
+                                     allocator=allocator)
+                code = run_workers(cmd, n, launcher=args.backend, env=env)
                 if code != 0:
                     raise RuntimeError(f"stage {stage} ({allocator} allocator): the {n}-process run "
                                        f"({args.backend}) exited with {code}")
@@ -193,12 +173,12 @@ def run_processes(args: argparse.Namespace) -> dict:
 
 
 def plot(record: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    from tfdist.bench.common import save_figure
+    from tfdist.plots import pyplot
+
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     stages = list(record["peak_rss_bytes"])
     labels = [f"ZeRO-{s}" for s in stages]
@@ -225,8 +205,6 @@ def plot(record: dict, path: str) -> None:
     ax.axhline(1.10, color="red", linestyle="--", label="target 1.10")
     ax.set_ylabel("median step time / stage 0")
     ax.legend(fontsize=7)
-    from tfdist.bench.common import save_figure
-
     save_figure(fig, path)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist._compat import distribute as tf_distribute
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodAllReduce", "horovod", "init_horovod", "INSTALL_HINT", "COMPRESSIONS", "OPS"]
@@ -32,10 +32,8 @@ def horovod():
 
 # Fusion buffer default on CPU-only hosts. Horovod fuses tensors by copying them into a buffer and
 # back out (two memcpys); on CPUs (shared memory, TCP) those copies cost more than the fusion saves
-# for big gradients: on this 2-core box a 16 MB gradient list reached 0.77x raw hvd.allreduce with
-# Horovod's default (128 MB) and 1.02x with 1 MB (`tfdist bench allreduce --backend horovod`).
-# Small gradients are still fused up to 1 MB. GPUs and the Gloo controller (per-message TCP cost:
-# 0.66x at 16 MB with 1 MB, 0.97x with the default) keep Horovod's default.
+# for big gradients, so only small gradients are fused (up to 1 MB). GPUs and the Gloo controller
+# (per-message TCP cost) keep Horovod's default. The measurements are in docs/design.md.
 CPU_FUSION_THRESHOLD_MB = 1.0
 
 
@@ -73,7 +71,7 @@ def check_options(compression: str | None, op: str) -> None:
         raise ConfigError(f"op must be one of {list(OPS)}, got {op!r}.")
 
 
-class HorovodAllReduce(tf.distribute.CrossDeviceOps):
+class HorovodAllReduce(tf_distribute.ProcessCrossDeviceOps):
     """Reduces over this process's devices, then across processes with one grouped Horovod all-reduce.
 
     Keras 3 hands every gradient of a step to `batch_reduce` at once (SUM; the loss is already divided
@@ -98,17 +96,11 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         super().__init__()
         check_options(compression, op)
         self._hvd = horovod()
-        self._num_processes = num_processes
+        self.num_processes = num_processes  # reported to TF as between-graph workers (see the base class)
         self._num_replicas = num_replicas  # global replicas: processes x local devices
         self._wire_dtype = COMPRESSIONS[compression]
         self.op = op
         self.compression = compression
-
-    # TF's CrossDeviceOps.reduce/batch_reduce copy instead of reducing when this is 1 and there is
-    # a single local value: with one device per process that would skip the all-reduce entirely.
-    @property
-    def _num_between_graph_workers(self) -> int:
-        return self._num_processes
 
     # -- the cross-process part ------------------------------------------------------------------
     def _allreduce(self, tensors: list[tf.Tensor], reduce_op: tf.distribute.ReduceOp, local_count: int,
@@ -116,21 +108,21 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         """All-reduces local sums across processes. Returns reduced tensors in their own dtype."""
         hvd = self._hvd
         mean = reduce_op == tf.distribute.ReduceOp.MEAN
-        if self._num_processes == 1:
+        if self.num_processes == 1:
             return [t / local_count if mean and t.dtype.is_floating else t for t in tensors]
         prescale, postscale, hvd_op = 1.0, 1.0, hvd.Sum
         if mean:  # average of all replicas' values: sum everywhere, divide once by the global count
-            postscale = 1.0 / (local_count * self._num_processes)
+            postscale = 1.0 / (local_count * self.num_processes)
         elif self.op == "sum":  # Keras divided the loss by num_replicas; undo it to sum raw gradients
             postscale = float(self._num_replicas)
         elif self.op == "adasum":  # Adasum wants each process's own mean gradient, not a 1/N share
-            prescale, hvd_op = float(self._num_processes), hvd.Adasum
+            prescale, hvd_op = float(self.num_processes), hvd.Adasum
         floats = [t.dtype.is_floating for t in tensors]
         if not all(floats):  # integers: exact sum (a count, a step), no scaling or compression
             ints = [i for i, f in enumerate(floats) if not f]
             out = list(tensors)
             for i, r in zip(ints, hvd.grouped_allreduce([tensors[i] for i in ints], op=hvd.Sum)):
-                out[i] = r // (local_count * self._num_processes) if mean else r
+                out[i] = r // (local_count * self.num_processes) if mean else r
             rest = [i for i, f in enumerate(floats) if f]
             if rest:
                 for i, r in zip(rest, self._allreduce([tensors[i] for i in rest], reduce_op, local_count, compress)):
@@ -152,7 +144,7 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
         raw = tf.bitcast(tf.cast(flat, tf.bfloat16), tf.uint8)  # [n, 2]
         gathered = self._hvd.allgather(raw)  # [P * n, 2]
         summed = tf.reduce_sum(tf.reshape(tf.cast(tf.bitcast(gathered, tf.bfloat16), tf.float32),
-                                          [self._num_processes, -1]), axis=0)
+                                          [self.num_processes, -1]), axis=0)
         if scale != 1.0:
             summed = summed * scale
         sizes = tf.stack([tf.size(t) for t in tensors])
@@ -180,33 +172,32 @@ class HorovodAllReduce(tf.distribute.CrossDeviceOps):
     def _reduce(self, reduce_op, value_destination_pairs, compress: bool):
         if not value_destination_pairs:
             return []
-        if any(isinstance(v, tf.IndexedSlices) or any(isinstance(x, tf.IndexedSlices) for x in compat.local_values(v))
+        if any(isinstance(v, tf.IndexedSlices) or any(isinstance(x, tf.IndexedSlices) for x in tf_distribute.local_values(v))
                for v, _ in value_destination_pairs):
             # Sparse gradients (embedding lookups) become dense: Horovod's allgather path for
             # IndexedSlices does not compose with grouped fusion, and the models here are small.
             value_destination_pairs = [(self._densify(v), d) for v, d in value_destination_pairs]
-        first_device = compat.devices_of(value_destination_pairs[0][1])[0]
-        local_counts = {len(compat.local_values(v)) for v, _ in value_destination_pairs}
+        first_device = tf_distribute.devices_of(value_destination_pairs[0][1])[0]
+        local_counts = {len(tf_distribute.local_values(v)) for v, _ in value_destination_pairs}
         if len(local_counts) != 1:
             raise ConfigError(f"HorovodAllReduce: values have different numbers of local replicas {sorted(local_counts)}.")
         (local_count,) = local_counts
         with tf.device(first_device):
-            local_sums = [tf.math.add_n([tf.identity(x) for x in compat.local_values(v)]) if local_count > 1
-                          else tf.identity(compat.local_values(v)[0]) for v, _ in value_destination_pairs]
+            local_sums = [tf.math.add_n([tf.identity(x) for x in tf_distribute.local_values(v)]) if local_count > 1
+                          else tf.identity(tf_distribute.local_values(v)[0]) for v, _ in value_destination_pairs]
             reduced = self._allreduce(local_sums, reduce_op, local_count, compress)
         return [self.broadcast(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
 
     def _densify(self, value):
-        parts = [tf.convert_to_tensor(x) for x in compat.local_values(value)]
-        return compat.regroup_per_replica(parts) if len(parts) > 1 else parts[0]
+        parts = [tf.convert_to_tensor(x) for x in tf_distribute.local_values(value)]
+        return tf_distribute.regroup_per_replica(parts) if len(parts) > 1 else parts[0]
 
-    def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        del options
-        parts = compat.local_values(per_replica_value)
-        device = compat.devices_of(destinations)[0]
+    def gather_implementation(self, per_replica_value, destinations, axis):
+        parts = tf_distribute.local_values(per_replica_value)
+        device = tf_distribute.devices_of(destinations)[0]
         with tf.device(device):
             local = tf.concat([tf.identity(p) for p in parts], axis=axis)
-            if self._num_processes > 1:
+            if self.num_processes > 1:
                 # hvd.allgather concatenates along axis 0 (and allows different sizes there).
                 perm = _axis_first(local.shape.rank, axis)
                 gathered = self._hvd.allgather(tf.transpose(local, perm) if axis else local)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.comm.horovod import horovod
-from tfdist.sharding.collectives import ShardCollectives
+from tfdist.comm.shard_collectives import ShardCollectives
 
 __all__ = ["HorovodShardCollectives"]
 
@@ -69,9 +69,9 @@ class HorovodShardCollectives(ShardCollectives):
 
         An all-to-all and a local sum: rank p is sent the columns of the shards it owns by every
         rank, and adds them up, so each rank moves (P-1)/P of the gradient once, as a ring
-        reduce-scatter does. `hvd.reducescatter` would do the same, but under Gloo on CPU it took
-        2.1x as long as an all-reduce of the whole gradient (181 vs 85 ms for 100 MB, 2 processes;
-        the all-to-all: 52 ms). Sent in chunks of about CHUNK_BYTES, one after the other
+        reduce-scatter does. Not `hvd.reducescatter`: under Gloo on CPU it was slower than an
+        all-reduce of the whole gradient (measured in docs/design.md). Sent in chunks of about
+        CHUNK_BYTES, one after the other
         (`all_to_all_sums`).
         """
         m = len(self.devices)

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist._compat import distribute as tf_distribute
 from tfdist.errors import ConfigError
-from tfdist.sharding.collectives import ShardCollectives
+from tfdist.comm.shard_collectives import ShardCollectives
 
 __all__ = ["TFShardCollectives"]
 
@@ -36,15 +36,15 @@ class TFShardCollectives(ShardCollectives):
 
     Example:
         >>> strategy = tfdist.MultiWorkerMirroredStrategy(zero_stage=2)   # under `tfdist launch -n 2`
-        >>> comm = strategy._tfdist_zero_config().collectives
-        >>> comm.shard_ids, comm.num_shards   # on worker 1 of 2, one device each
+        >>> comm = TFShardCollectives(strategy)   # a MultiWorkerMirroredStrategy, on worker 1 of 2
+        >>> comm.shard_ids, comm.num_shards     # one device per worker
         ([1], 2)
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, timeout_s: float | None = None):
-        self._launchers = compat.zero_collective_launchers(strategy)
-        self.devices = [compat.launcher_device(lc) for lc in self._launchers]
-        first = compat.first_global_replica_id(strategy)
+        self._launchers = tf_distribute.collective_launchers(strategy)
+        self.devices = [tf_distribute.launcher_device(lc) for lc in self._launchers]
+        first = tf_distribute.first_global_replica_id(strategy)
         self.shard_ids = [first + i for i in range(len(self.devices))]
         self.num_shards = int(strategy.num_replicas_in_sync)
         self.timeout_s = timeout_s
@@ -58,7 +58,7 @@ class TFShardCollectives(ShardCollectives):
             parts = list(chunks[i])
             with tf.device(self.devices[i]):
                 # row r goes to replica r; row r of the result is what replica r sent for our shard
-                received = compat.launcher_all_to_all(self._launchers[i], tf.stack(parts))
+                received = tf_distribute.launcher_all_to_all(self._launchers[i], tf.stack(parts))
                 return tf.add_n(tf.unstack(received, self.num_shards))  # sum in replica order
 
         return self._each(one, "reduce-scatter")
@@ -72,7 +72,7 @@ class TFShardCollectives(ShardCollectives):
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
                 rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
-                sums = self.all_to_all_sums(rows, lambda cols: compat.launcher_all_to_all(self._launchers[i], cols),
+                sums = self.all_to_all_sums(rows, lambda cols: tf_distribute.launcher_all_to_all(self._launchers[i], cols),
                                             self.num_shards)
                 return tf.concat(sums, 0) if len(sums) > 1 else sums[0]
 
@@ -81,14 +81,14 @@ class TFShardCollectives(ShardCollectives):
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
-                return compat.launcher_all_gather(self._launchers[i], tf.identity(shards[i]))
+                return tf_distribute.launcher_all_gather(self._launchers[i], tf.identity(shards[i]))
 
         return self._each(one, "all-gather")
 
     def all_reduce_sum(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
-                return compat.launcher_all_reduce_sum(self._launchers[i], tf.identity(values[i]))
+                return tf_distribute.launcher_all_reduce_sum(self._launchers[i], tf.identity(values[i]))
 
         return self._each(one, "all-reduce")
 

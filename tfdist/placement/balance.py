@@ -61,7 +61,7 @@ def block_partition(costs: Sequence[float], stages: int) -> list[int]:
 
 
 def needs_input_gradients(graph) -> list[bool]:
-    """Per layer of `graph` (compat.model_graph order): does training need its input gradient?
+    """Per layer of `graph` (`tfdist.placement.layer_graph` order): does training need its input gradient?
 
     Only if some layer upstream of it has trainable weights: the first layers of a model (fed by
     its inputs) compute weight gradients only, which is why the first stage of a pipeline does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
@@ -12,7 +13,8 @@ from tfdist.errors import ConfigError
 
 __all__ = ["pipeline_model_call", "split_batch"]
 
-_ORIGINAL = "_tfdist_original_model_call"
+# model -> its own bound `call`, for models whose call this module wrapped (on that instance only)
+_original_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def split_batch(x: tf.Tensor, micro_batches: int) -> tuple[list[tf.Tensor], tf.Tensor | None]:
@@ -51,13 +53,13 @@ def pipeline_model_call(model: keras.Model, micro_batches: int, streams=None) ->
     normalised with its own statistics, and the moving mean/variance are updated once per
     micro-batch (M momentum steps per training step), so results differ from a non-pipelined step
     unless the model has no batch-dependent layers. Inference uses the moving statistics and is
-    unaffected. `streams` (a `device_scope.StageStreams`) learns each layer call's micro-batch.
+    unaffected. `streams` (a `streams.StageStreams`) learns each layer call's micro-batch.
     (torchgpipe's DeferredBatchNorm, which accumulates statistics over the whole
     batch, is not implemented.)
     """
     if micro_batches == 1:
         return
-    original = getattr(model, _ORIGINAL, None) or model.call
+    original = _original_calls.get(model) or model.call
 
     @functools.wraps(original)
     def call(inputs, *args, **kwargs):
@@ -89,5 +91,5 @@ def pipeline_model_call(model: keras.Model, micro_batches: int, streams=None) ->
 
         return tf.nest.map_structure(gather, *outputs)
 
-    setattr(model, _ORIGINAL, original)
+    _original_calls[model] = original
     model.call = call

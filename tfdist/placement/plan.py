@@ -102,7 +102,7 @@ class StagePlan:
 
 
 def _short(device: str) -> str:
-    from tfdist.placement.device_scope import canonical_device
+    from tfdist.placement.layer_call import canonical_device
 
     return canonical_device(device) or device
 
@@ -126,10 +126,10 @@ def _estimate_flops(layer, in_shapes: list[tuple], out_shapes: list[tuple]) -> f
 
 def describe_model(model) -> list[LayerInfo]:
     """LayerInfo for every layer of a built Keras model, in topological order."""
-    from tfdist import compat
+    from tfdist._compat import keras_model
 
     infos = []
-    for index, (layer, parents, in_shapes, out_shapes) in enumerate(compat.model_graph(model)):
+    for index, (layer, parents, in_shapes, out_shapes) in enumerate(keras_model.layer_graph(model)):
         dtype_bytes = 2 if "16" in str(getattr(layer, "compute_dtype", "float32")) else 4
         infos.append(LayerInfo(
             name=layer.name, index=index, parents=[p.name for p in parents],

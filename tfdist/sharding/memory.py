@@ -7,6 +7,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import tensorflow as tf
 
+from tfdist.errors import ConfigError
+from tfdist.sharding.attach import engine_of
+from tfdist.sharding.logical_slot import LogicalSlot
+
 __all__ = ["zero_formula", "MemoryReport", "ReplicaMemory", "memory_report"]
 
 
@@ -98,8 +102,6 @@ def memory_report(strategy, model) -> MemoryReport:
     optimizer = getattr(model, "optimizer", None)
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
     if optimizer is None or not optimizer.built:
-        from tfdist.errors import ConfigError
-
         raise ConfigError("memory_report(model): the model's optimizer is not built yet; call it after fit() "
                           "(or after model.optimizer.build(model.trainable_variables)).")
     devices = [_canon(d) for d in strategy.extended.worker_devices]
@@ -115,7 +117,7 @@ def memory_report(strategy, model) -> MemoryReport:
         for c in _components(strategy, v):
             add(c.device, "params", _nbytes(c))
     num_params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in variables)
-    engine = getattr(optimizer, "_tfdist_zero", None)
+    engine = engine_of(optimizer)
     stage = engine.stage if engine is not None else 0
     if engine is None:
         state_vars = optimizer.variables
@@ -131,7 +133,7 @@ def memory_report(strategy, model) -> MemoryReport:
         for v in engine.inner.variables:
             add(v.value.device, "optimizer_state", _nbytes(v))
         for v in optimizer.variables:  # iterations, learning rate: mirrored scalars of the user's optimizer
-            if not hasattr(v, "_engine"):
+            if not isinstance(v, LogicalSlot):
                 for c in _components(strategy, v):
                     add(c.device, "optimizer_state", _nbytes(c))
         for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.errors import ConfigError
-from tfdist.sharding.collectives import ShardCollectives
+from tfdist.comm.shard_collectives import ShardCollectives
 from tfdist.sharding.layout import FlatLayout
 
 __all__ = ["SlotShards"]
@@ -26,7 +26,7 @@ class SlotShards:
     are local, so only the chief needs to write the file) or inside `collective_reads()`.
 
     Example:
-        >>> state = model.optimizer._tfdist_zero.state   # compiled under zero_stage=1, after fit
+        >>> state = tfdist.sharding.engine_of(model.optimizer).state   # zero_stage=1, after fit
         >>> state.names
         ['momentum', 'velocity']
         >>> state.read(0, "momentum").shape           # first variable's full Adam momentum

@@ -1,118 +1,21 @@
-"""ZeRO stages 1 and 2 for any element-wise Keras 3 optimizer: flat state shards, one per replica."""
+"""ZeroEngine: ZeRO stages 1 and 2 for any element-wise Keras 3 optimizer, as flat state shards, one per replica."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
-from tfdist.sharding.checkpoint import LogicalSlot, load_own_variables_strict
-from tfdist.sharding.collectives import ShardCollectives
+from tfdist.sharding.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.sharding.layout import FlatLayout
+from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
 from tfdist.sharding.slot_shards import SlotShards
 
-__all__ = ["ZeroConfig", "ZeroEngine", "SUPPORTED_STAGES", "register_elementwise", "enable"]
-
-SUPPORTED_STAGES = (0, 1, 2)
-
-# Optimizers whose update of one element depends only on that element's gradient, state and
-# scalars: running them on a flat shard of the concatenated variables gives exactly the
-# per-variable result, so their state can be cut anywhere.
-_ELEMENTWISE: list[type] = [
-    keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Adamax,
-    keras.optimizers.RMSprop, keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Lion,
-    keras.optimizers.Ftrl,
-]
-# Optimizers whose update needs the whole variable (or state shared across variables): refused.
-_NOT_ELEMENTWISE = {
-    "Adafactor": "keeps factored second moments whose shape depends on each variable's shape",
-    "Lamb": "scales each variable's update by a per-variable trust ratio (norms of whole variables)",
-    "Muon": "orthogonalises each weight matrix as a whole",
-    "Nadam": "keeps a scalar (u_product) advanced once per step outside update_step",
-    "LossScaleOptimizer": "wraps another optimizer (its inner optimizer is the one sharded)",
-}
-
-
-def register_elementwise(cls: type) -> type:
-    """Declares a custom Keras optimizer class element-wise, so ZeRO may shard it (usable as decorator).
-
-    Only do this if `update_step` treats every element independently (no norms of whole variables,
-    no state whose shape differs from the variable's).
-
-    Example:
-        >>> @tfdist.sharding.register_elementwise
-        ... class MySGD(keras.optimizers.SGD): ...
-    """
-    _ELEMENTWISE.append(cls)
-    return cls
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """What a strategy asks of the ZeRO engine: the stage, offload, and its collectives."""
-
-    stage: int
-    offload: bool
-    collectives: ShardCollectives
-    host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0"
-
-
-def check_stage(zero_stage) -> int:
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
-            or int(zero_stage) not in SUPPORTED_STAGES:
-        hint = (" Stage 3 (partitioned parameters) is not supported: parameters stay replicated."
-                if zero_stage == 3 else "")
-        raise ConfigError(f"zero_stage={zero_stage!r} is not supported; supported stages are "
-                          f"{set(SUPPORTED_STAGES)} (0: plain data parallel, 1: optimizer state sharded, "
-                          f"2: optimizer state and gradients sharded).{hint}")
-    return int(zero_stage)
-
-
-def check_options(zero_stage, offload) -> tuple[int, bool]:
-    """Validates a strategy's `zero_stage` and `offload` arguments; returns them normalised."""
-    stage = check_stage(zero_stage)
-    if not isinstance(offload, bool):
-        raise ConfigError(f"offload must be True or False, got {offload!r}.")
-    if offload and stage == 0:
-        raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
-    return stage, offload
-
-
-def enable() -> None:
-    """Installs the optimizer build hook (idempotent). Strategies with zero_stage > 0 call it."""
-    compat.install_optimizer_build_hook(_on_build)
-
-
-def _zero_config_of(strategy) -> ZeroConfig | None:
-    getter = getattr(strategy, "_tfdist_zero_config", None)
-    return getter() if callable(getter) else None
-
-
-def _on_build(optimizer, variables) -> None:
-    """Build hook: turns `optimizer` into a ZeRO optimizer when its variables live under a ZeRO strategy."""
-    if getattr(optimizer, "_tfdist_zero", None) is not None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return
-    owners = {id(s): s for s in (getattr(getattr(v, "value", v), "distribute_strategy", None) for v in variables)
-              if s is not None}
-    current = tf.distribute.get_strategy()
-    # Any tfdist strategy (even zero_stage=0) gets the clear error for a misplaced optimizer.
-    target = next((s for s in [*owners.values(), current] if hasattr(s, "_tfdist_zero_config")), None)
-    if target is None:
-        return
-    if compat.optimizer_strategy(optimizer) is not target:
-        raise ConfigError(
-            f"optimizer {optimizer.name!r} was created outside the strategy's scope, but the model's "
-            "variables belong to it. Create the optimizer (or pass its name, e.g. optimizer='adam', to "
-            "model.compile) inside `with strategy.scope():`.")
-    config = _zero_config_of(target)
-    if config is None or config.stage == 0:
-        return
-    ZeroEngine(optimizer, list(variables), target, config)
+__all__ = ["ZeroEngine"]
 
 
 class ZeroEngine:
@@ -132,8 +35,10 @@ class ZeroEngine:
     after the all-gather, so between steps a replica holds no 4Ψ/N copy of its parameters.
     """
 
-    def __init__(self, optimizer, variables: list, strategy, config: ZeroConfig):
-        self.optimizer, self.strategy, self.config = optimizer, strategy, config
+    def __init__(self, optimizer, variables: list, config: ZeroConfig):
+        # Weak: the optimizer holds the engine (through its slots and methods), not the reverse.
+        self._optimizer = weakref.ref(optimizer)
+        self.config = config
         self.stage, self.comm = config.stage, config.collectives
         self._check(optimizer, variables)
         self.variables = list(variables)
@@ -148,21 +53,32 @@ class ZeroEngine:
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
-        object.__setattr__(optimizer, "_tfdist_zero", self)
-        compat.override_method(optimizer, "add_variable_from_reference", _add_logical_slot)
-        compat.override_method(optimizer, "_backend_apply_gradients", _zero_apply_gradients)
-        compat.override_method(optimizer, "load_own_variables", load_own_variables_strict)
+        engine = self
+
+        def add_slot(opt, reference_variable, name=None, initializer="zeros"):
+            slot = LogicalSlot(engine.state, keras_optimizer.variable_index(opt, reference_variable), name or "var",
+                               reference_variable, opt.name)
+            engine.state.shards(slot.slot_name)  # fails clearly if the shard optimizer has no such slot
+            keras_optimizer.track_variable(opt, slot)
+            return slot
+
+        keras_optimizer.override_sharded_state(
+            optimizer, add_slot=add_slot, load_own_variables=load_own_variables_strict,
+            apply_gradients=lambda opt, grads, variables: engine.apply(list(grads), list(variables)))
+
+    @property
+    def optimizer(self):
+        """The user's optimizer (the one the model holds), whose state this engine shards."""
+        return self._optimizer()
 
     # --- construction ----------------------------------------------------------------------
     def _check(self, optimizer, variables) -> None:
         name = type(optimizer).__name__
-        refused = next((why for n, why in _NOT_ELEMENTWISE.items()
-                        if any(c.__name__ == n for c in type(optimizer).__mro__)), None)
-        if refused or not isinstance(optimizer, tuple(_ELEMENTWISE)):
+        why = refusal(optimizer)
+        if why:
             raise ConfigError(
-                f"ZeRO stage {self.stage} cannot shard optimizer {name}: "
-                + (f"it {refused}. " if refused else "tfdist does not know whether its update is element-wise. ")
-                + f"Supported: {', '.join(c.__name__ for c in _ELEMENTWISE)} (and classes registered with "
+                f"ZeRO stage {self.stage} cannot shard optimizer {name}: {why}. "
+                f"Supported: {', '.join(sharded_optimizer_names())} (and classes registered with "
                 "tfdist.sharding.register_elementwise); or use zero_stage=0.")
         if optimizer.use_ema:
             raise ConfigError(f"ZeRO stage {self.stage}: use_ema=True on {name} would keep a full EMA copy of "
@@ -182,51 +98,36 @@ class ZeroEngine:
                               f"{sorted(d.name for d in dtypes)}.")
 
     def _build_shards(self) -> None:
-        """Builds the shard optimizer in a helper thread: outside the strategy scope its variables are
-        plain ones on the device we pick, instead of being mirrored on every replica."""
+        """Builds the shard optimizer outside any strategy: its variables are then plain ones on the
+        device we pick, instead of being mirrored on every replica."""
         cls = type(self.optimizer)
         cfg = self.optimizer.get_config()
         # Weight decay, clipping and loss scaling live in apply(), which the shard optimizer never runs
         # (the engine calls its update_step), so its config can stay the user's.
         cfg["name"] = f"{self.optimizer.name}_shards"
-        box: dict = {}
 
         def build():
-            try:
-                inner = cls.from_config(cfg)
-                created: dict = {}
-                original = inner.add_variable_from_reference
+            inner = cls.from_config(cfg)
+            created: dict = {}
+            keras_optimizer.record_slot_creation(inner, created)
+            shards = []
+            for sid, device in zip(self.comm.shard_ids, self.state_devices):
+                with tf.device(device):
+                    # The owner's parameter shard, which update_step needs as a variable to write.
+                    # Its Keras shape is the shard's (slots are built from it), but the tf.Variable
+                    # behind it has an unknown length: it holds the shard only during a step and is
+                    # emptied after the all-gather (4Ψ/N bytes less per replica between steps).
+                    shard = keras.Variable("zeros", shape=(self.layout.shard_size,), dtype=self.dtype,
+                                           trainable=False, name=f"zero_shard_{sid}")
+                    keras_model.swap_variable_value(shard, tf.Variable(
+                        tf.zeros([0], self.dtype), shape=tf.TensorShape([None]), trainable=False,
+                        name=f"zero_shard_{sid}"))
+                    shards.append(shard)
+            with tf.device(self.state_devices[0]):
+                inner.build(shards)
+            return {"inner": inner, "shards": shards, "created": created}
 
-                def record(ref, name=None, initializer="zeros"):
-                    var = original(ref, name=name, initializer=initializer)
-                    created[(id(ref), name)] = var
-                    return var
-
-                object.__setattr__(inner, "add_variable_from_reference", record)
-                shards = []
-                for sid, device in zip(self.comm.shard_ids, self.state_devices):
-                    with tf.device(device):
-                        # The owner's parameter shard, which update_step needs as a variable to write.
-                        # Its Keras shape is the shard's (slots are built from it), but the tf.Variable
-                        # behind it has an unknown length: it holds the shard only during a step and is
-                        # emptied after the all-gather (4Ψ/N bytes less per replica between steps).
-                        shard = keras.Variable("zeros", shape=(self.layout.shard_size,), dtype=self.dtype,
-                                               trainable=False, name=f"zero_shard_{sid}")
-                        compat.swap_variable_value(shard, tf.Variable(
-                            tf.zeros([0], self.dtype), shape=tf.TensorShape([None]), trainable=False,
-                            name=f"zero_shard_{sid}"))
-                        shards.append(shard)
-                with tf.device(self.state_devices[0]):
-                    inner.build(shards)
-                box.update(inner=inner, shards=shards, created=created)
-            except Exception as err:  # re-raised in the caller's thread
-                box["error"] = err
-
-        worker = threading.Thread(target=build, name="tfdist-zero-build")
-        worker.start()
-        worker.join()
-        if "error" in box:
-            raise box["error"]
+        box = tf_runtime.outside_any_strategy(build)
         self.inner, self.shard_params = box["inner"], box["shards"]
         slots: dict[str, list] = {}
         for (ref_id, name), var in box["created"].items():
@@ -235,7 +136,7 @@ class ZeroEngine:
         self.state = SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device,
                                 owner=f"ZeRO stage {self.stage} ({type(self.optimizer).__name__})")
         own = {id(v) for vs in slots.values() for v in vs} | {id(self.inner.iterations)}
-        lr = getattr(self.inner, "_learning_rate", None)
+        lr = keras_optimizer.learning_rate_variable(self.inner)
         for v in self.inner.variables:
             if id(v) not in own and v is not lr and tuple(v.shape) not in ((), (self.layout.shard_size,)):
                 raise ConfigError(f"ZeRO cannot shard {type(self.optimizer).__name__}: its state {v.path} has "
@@ -248,7 +149,7 @@ class ZeroEngine:
         if ctx is None or tf.distribute.in_cross_replica_context():
             raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
                               "as model.fit does.")
-        order = [compat.optimizer_variable_index(self.optimizer, v) for v in variables]
+        order = [keras_optimizer.variable_index(self.optimizer, v) for v in variables]
         if sorted(order) != list(range(len(self.variables))):
             missing = sorted(set(range(len(self.variables))) - set(order))
             raise ConfigError(f"ZeRO needs a gradient for every trainable variable; none for "
@@ -256,8 +157,8 @@ class ZeroEngine:
         by_index = dict(zip(order, grads))
         grads = [by_index[i] for i in range(len(self.variables))]
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
-            grads = compat.optimizer_all_reduce_sum(self.optimizer, grads, self.variables)
-        compat.optimizer_apply_weight_decay(self.optimizer, self.variables)
+            grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, self.variables)
+        keras_optimizer.apply_weight_decay(self.optimizer, self.variables)
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 
     def _pieces(self, tensors: list, shard: int) -> tf.Tensor:
@@ -349,16 +250,3 @@ class ZeroEngine:
             return out
         return shards
 
-
-# --- methods bound onto the user's optimizer instance ------------------------------------------
-def _add_logical_slot(self, reference_variable, name=None, initializer="zeros"):
-    engine: ZeroEngine = self._tfdist_zero
-    index = compat.optimizer_variable_index(self, reference_variable)
-    slot = LogicalSlot(engine, index, name or "var", reference_variable)
-    engine.state.shards(slot._slot)  # fails clearly if the shard optimizer has no such slot
-    self._track_variable(slot)
-    return slot
-
-
-def _zero_apply_gradients(self, grads, trainable_variables):
-    self._tfdist_zero.apply(list(grads), list(trainable_variables))

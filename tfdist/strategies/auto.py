@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tfdist.cluster.env import LAUNCHERS
 from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
 from tfdist.errors import ConfigError
 
@@ -20,14 +21,6 @@ __all__ = ["Decision", "decide", "auto_strategy"]
 
 log = logging.getLogger("tfdist")
 
-# Variables a launcher sets in every process it starts: horovodrun (Gloo), OpenMPI's mpirun,
-# MPICH/Intel MPI (Hydra), MVAPICH. Under `srun --mpi=pmix` only SLURM's and PMIx's are set.
-_LAUNCHERS = (
-    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE"),
-    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("mpirun", "PMI_RANK", "PMI_SIZE"),
-    ("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
-)
 # kind -> (module, class, the tfdist issue that adds it)
 _CLASSES = {
     "mirrored": ("tfdist.strategies.mirrored", "MirroredStrategy", None),
@@ -76,8 +69,9 @@ def decide(environ: Mapping[str, str] | None = None, backend: str | None = None,
     env = os.environ if environ is None else environ
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
-    for source, rank_var, size_var in _LAUNCHERS:
-        if env.get(size_var):
+    for launcher in LAUNCHERS:
+        source, rank_var, size_var = launcher.kind, launcher.rank_var, launcher.size_var
+        if launcher.mpi_world and env.get(size_var):
             if backend == "tf":
                 raise ConfigError(f"backend='tf' but this process was started by {source} ({size_var}="
                                   f"{env[size_var]}); TF collectives need TF_CONFIG or an srun step. Use "

@@ -40,17 +40,12 @@ def make_strategy(name: str, replicas: int | None = None, **options) -> tf.distr
 
 
 def local_replica_devices(replicas: int | None) -> list[str] | None:
-    """Device names for `replicas` local replicas: the first GPUs, or that many logical CPUs."""
+    """Device names for `replicas` local replicas: the first GPUs, or that many logical CPUs (None: all)."""
     if replicas is None:
         return None
-    from tfdist.devices import virtual_cpus
+    from tfdist.devices import process_devices
 
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        if replicas > len(gpus):
-            raise ConfigError(f"replicas={replicas} but this machine has {len(gpus)} GPU(s).")
-        return [f"/gpu:{i}" for i in range(replicas)]
-    return virtual_cpus(replicas)
+    return process_devices(replicas, parameter="replicas")
 
 
 @register("mirrored")
@@ -88,15 +83,6 @@ def _multiworker(replicas: int | None = None, **options) -> tf.distribute.Strate
 def _placement(replicas: int | None = None, **options) -> tf.distribute.Strategy:
     # Layer placement: `replicas` devices become the stages of one pipeline ("auto" balance),
     # unless options say otherwise (placement=, balance=, micro_batches=, data_parallel=).
-    from tfdist.devices import local_devices
-    from tfdist.errors import InitOrderError
     from tfdist.strategies.layer_placement import LayerPlacementStrategy
 
-    try:
-        devices = local_replica_devices(replicas)
-    except InitOrderError:  # TF already started with more logical devices: use the first ones
-        available = local_devices()
-        if replicas is None or replicas > len(available):
-            raise
-        devices = available[:replicas]
-    return LayerPlacementStrategy(devices=devices, **options)
+    return LayerPlacementStrategy(devices=local_replica_devices(replicas), **options)

@@ -9,37 +9,17 @@ from collections.abc import Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist._compat import distribute as tf_distribute
+from tfdist._compat import keras_model, tf_runtime
 from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
-from tfdist.placement.device_scope import (StageStreams, canonical_device, colocate_with_inputs,
-                                           place_layer_call)
+from tfdist.placement.layer_call import colocate_with_inputs, place_layer_call
+from tfdist.placement.migrate import move_model_variables
 from tfdist.placement.pipeline import pipeline_model_call
 from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
+from tfdist.placement.streams import StageStreams
 
 __all__ = ["LayerPlacementStrategy"]
-
-
-class _PlacementExtended(compat.mirrored_extended_class()):
-    """MirroredExtended whose replicas each span a pipeline of devices.
-
-    A replica's "device" (where its step starts, and its data arrives) is its first stage; a
-    variable is mirrored over one device per replica: its layer's stage in every pipeline.
-    """
-
-    def __init__(self, container, devices, cross_device_ops):
-        super().__init__(container, devices=devices, cross_device_ops=cross_device_ops)
-        self._target_devices: list[str] | None = None  # set while (re)creating a stage's variables
-        self._colocated: dict[int, tuple] = {}           # id(slot var) -> (slot var, reference var)
-
-    def _create_variable(self, next_creator, **kwargs):
-        reference = kwargs.get("colocate_with")
-        if reference is None and self._target_devices is not None:
-            kwargs["colocate_with"] = compat.DeviceGroup(self._target_devices)
-        var = super()._create_variable(next_creator, **kwargs)
-        if reference is not None:  # an optimizer slot: remember its variable, to follow it if it moves
-            self._colocated[id(var)] = (var, reference)
-        return var
 
 
 class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
@@ -63,7 +43,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         balance: what "auto" balances: "params", "flops" (estimated) or "time" (measured).
         micro_batches: GPipe micro-batches per step (must divide the per-replica batch).
         stage_streams: run each device's layer calls one after another in trace order (one op
-            stream per device, like an accelerator; see `tfdist.placement.device_scope.StageStreams`).
+            stream per device, like an accelerator; see `tfdist.placement.streams.StageStreams`).
             None (default): on when micro_batches > 1, where without it logical CPU devices
             sharing one thread pool do not pipeline.
         data_parallel: number of pipeline replicas D; len(devices) must be a multiple of D.
@@ -109,12 +89,11 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         self._plans: dict[int, tuple[weakref.ref, StagePlan]] = {}
         self._last_plan: StagePlan | None = None
         self._measure_batch: int | None = None  # micro-batch size, once a batch has been seen
-        self._collective_key_base = compat.fresh_collective_key_base()
         # ReductionToOneDevice reduces each gradient on the first device its destination lives
         # on, i.e. per stage: stage k's gradients are summed on replica 0's stage-k device and
         # copied to the other replicas' stage-k devices (never through stage 0).
-        extended = _PlacementExtended(self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice())
-        compat.init_strategy(self, extended)
+        tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
+            self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice()))
 
     # --- public ---------------------------------------------------------------------------
     @property
@@ -150,7 +129,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
             raise ConfigError(f"model {model.name!r} is not built; give it a keras.Input (or call build()) "
                               "inside strategy.scope() before placing it.")
         try:
-            graph = compat.model_graph(model)
+            graph = keras_model.layer_graph(model)
         except TypeError as err:
             raise ConfigError(f"cannot place model {model.name!r}: {err}.") from None
         with tf.init_scope():  # may be called while Keras traces its first step
@@ -160,7 +139,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
             plan = make_plan(infos, self._placement, self._grid, balance=self._balance,
                              micro_batches=self._micro_batches)
             with self.scope():
-                self._move_variables(model, graph, plan)
+                move_model_variables(self, model, graph, plan)
         for layer, *_ in graph:
             stage = plan.stage_of[layer.name]
             place_layer_call(layer, functools.partial(self._device, stage), self._streams, lag=stage)
@@ -171,7 +150,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
 
     # --- tf.distribute hooks ----------------------------------------------------------------
     def run(self, fn, args=(), kwargs=None, options=None):
-        model = compat.keras_model_of_step(fn)
+        model = keras_model.model_of_step(fn)
         if model is not None:
             if self._measure_batch is None:  # balance='time' measures at the micro-batch size
                 sizes = [t.shape[0] for t in tf.nest.flatten((args, kwargs or {}))
@@ -182,7 +161,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         return super().run(self._in_pipeline(fn), args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        batch = compat.dataset_batch_size(dataset)
+        batch = tf_runtime.dataset_batch_size(dataset)
         self._check_batch(batch)
         if batch and self._measure_batch is None:
             self._measure_batch = max(batch // (len(self._grid) * self._micro_batches), 1)
@@ -238,37 +217,3 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 v.assign(value)
         for info, seconds in zip(infos, times):
             info.seconds = seconds
-
-    def _move_variables(self, model, graph, plan: StagePlan) -> None:
-        moved: dict[int, list[str]] = {}  # id(old tf variable) -> devices it moved to
-        done: set[int] = set()
-        for layer, *_ in graph:
-            devices = [row[plan.stage_of[layer.name]] for row in self._grid]
-            for kv in layer.variables:
-                if id(kv) not in done:
-                    done.add(id(kv))
-                    self._move(kv, devices, moved)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and getattr(optimizer, "built", False):
-            for kv in optimizer.variables:
-                entry = self.extended._colocated.get(id(kv.value))
-                if entry is not None and entry[0] is kv.value and id(entry[1]) in moved:
-                    self._move(kv, moved[id(entry[1])], {})
-            compat.reindex_optimizer(optimizer)
-
-    def _move(self, kv, devices: list[str], moved: dict) -> None:
-        old = kv.value
-        if compat.variable_strategy(old) is not self:
-            raise ConfigError(f"variable {kv.path!r} was not created inside this strategy's scope(); build the "
-                              "model (and compile it) inside `with strategy.scope():`.")
-        if [canonical_device(v.device) for v in old.values] == [canonical_device(d) for d in devices]:
-            return
-        self.extended._target_devices = devices
-        try:
-            new = tf.Variable(old.values[0].read_value(), trainable=old.trainable, dtype=old.dtype,
-                              name=old.name.split(":")[0], aggregation=old.aggregation,
-                              synchronization=old.synchronization)
-        finally:
-            self.extended._target_devices = None
-        moved[id(old)] = devices
-        compat.swap_variable_value(kv, new)

@@ -6,17 +6,16 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist import compat
+from tfdist._compat import distribute as tf_distribute
 from tfdist.comm import cross_device_ops_from
+from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.devices import resolve_devices
-from tfdist.sharding import zero
-from tfdist.sharding.collectives import LocalCollectives
-from tfdist.sharding.memory import MemoryReport, memory_report
+from tfdist.strategies.data_parallel import DataParallel
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(tf.distribute.MirroredStrategy):
+class MirroredStrategy(DataParallel, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism over the local devices, for the ordinary Keras 3 path.
 
     A drop-in `tf.distribute.MirroredStrategy` that also:
@@ -49,12 +48,12 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
         >>> model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
-    >>> zero = tfdist.MirroredStrategy(zero_stage=2)  # optimizer state and gradients sharded 4 ways
-    >>> with zero.scope():
-    ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-    ...     model.compile(optimizer="adam", loss="mse")
-    >>> model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
-    >>> print(zero.memory_report(model))             # bytes per replica, read from the variables
+        >>> zero = tfdist.MirroredStrategy(zero_stage=2)  # optimizer state and gradients sharded 4 ways
+        >>> with zero.scope():
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
+        >>> print(zero.memory_report(model))             # bytes per replica, read from the variables
     """
 
     def __init__(
@@ -64,23 +63,8 @@ class MirroredStrategy(tf.distribute.MirroredStrategy):
         zero_stage: int = 0,
         offload: bool = False,
     ):
-        self.zero_stage, self.offload = zero.check_options(zero_stage, offload)
-        self._collective_key_base = compat.fresh_collective_key_base()
-        super().__init__(devices=resolve_devices(devices), cross_device_ops=cross_device_ops_from(cross_device_ops))
-        self._zero = None
-        if self.zero_stage:
-            self._zero = zero.ZeroConfig(self.zero_stage, offload, LocalCollectives(self.extended.worker_devices))
-        zero.enable()  # also gives stage 0 a clear error for an optimizer created outside the scope
-
-    def _tfdist_zero_config(self) -> zero.ZeroConfig | None:
-        # Read by the optimizer build hook (tfdist.sharding.zero) to decide whether to shard.
-        return self._zero
-
-    def memory_report(self, model) -> MemoryReport:
-        """Per-replica bytes of parameters, gradients and optimizer state of `model`'s training.
-
-        Read from the devices and shapes of the variables (and of the gradient tensors the traced
-        step keeps), next to the ZeRO formula values. Call it after the optimizer is built (after
-        the first `fit` step or `model.optimizer.build(model.trainable_variables)`).
-        """
-        return memory_report(self, model)
+        self._check_zero_options(zero_stage, offload)
+        devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
+        tf_distribute.init_strategy(
+            self, lambda: tf_distribute.MirroredExtended(self, devices=devices, cross_device_ops=ops))
+        self._register_sharding(lambda: LocalCollectives(self.extended.worker_devices))

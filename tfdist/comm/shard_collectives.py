@@ -1,4 +1,4 @@
-"""ShardCollectives: the three collectives ZeRO needs, and their in-process version (device copies)."""
+"""ShardCollectives: the collectives sharded state needs (ZeRO), and their in-process version (device copies)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["ShardCollectives", "LocalCollectives"]
 class ShardCollectives(abc.ABC):
     """The collective operations the ZeRO engine needs across the shard owners (one per replica).
 
-    A strategy supplies one of these; the engine (tfdist.sharding.zero) never talks to devices,
+    A strategy supplies one of these; the ZeRO engine (tfdist.sharding) never talks to devices,
     processes or TF collectives itself. Every method takes and returns one tensor per *local*
     replica of this process, in the order of `devices`; `shard_ids[i]` is the global shard (=
     global replica) index of local replica i. In-process MirroredStrategy has all N replicas

@@ -1,0 +1,90 @@
+"""Keras model and variable internals: layer graph, initial epoch, the model of a step, backend variables."""
+
+from __future__ import annotations
+
+import inspect
+
+import keras
+from keras.src.ops.function import make_node_key as _make_node_key
+
+__all__ = ["initial_epoch", "layer_graph", "model_of_step", "set_initial_epoch", "swap_variable_value"]
+
+
+def initial_epoch(model) -> int:
+    """The epoch `fit` starts from: Keras' BackupAndRestore sets the private `model._initial_epoch`
+    when it restores a checkpoint (keras/src/callbacks/backup_and_restore.py, `_load_model`)."""
+    return int(getattr(model, "_initial_epoch", 0) or 0)
+
+
+def set_initial_epoch(model: keras.Model, epoch: int) -> None:
+    """Makes the next `fit` start at `epoch` (what keras.callbacks.BackupAndRestore does on restore)."""
+    model._initial_epoch = epoch
+
+
+def layer_graph(model) -> list[tuple]:
+    """The layer graph of a built Keras model, in topological order.
+
+    Returns (layer, parent_layers, input_shapes, output_shapes) per layer (InputLayers left out);
+    shapes include the batch dimension (None). Sequential models are read through the functional
+    model Keras builds inside them. A layer called twice lists the parents and shapes of all calls.
+    """
+    graph = getattr(model, "_functional", None) or model
+    if not hasattr(graph, "_operations") or not hasattr(graph, "_nodes"):
+        raise TypeError(f"{type(model).__name__} has no layer graph: build it with keras.Input "
+                        "(Sequential or functional API) before placing it")
+    input_layer = keras.layers.InputLayer
+    out = []
+    for op in graph._operations:
+        if isinstance(op, input_layer):
+            continue
+        parents, in_shapes, out_shapes = [], [], []
+        for i, node in enumerate(op._inbound_nodes):
+            if _make_node_key(op, i) not in graph._nodes:  # a call from another model
+                continue
+            for kt in node.arguments.keras_tensors:
+                parent = kt._keras_history.operation
+                in_shapes.append(tuple(kt.shape))
+                if parent is not None and not isinstance(parent, input_layer) and parent not in parents:
+                    parents.append(parent)
+            out_shapes.extend(tuple(t.shape) for t in node.outputs)
+        out.append((op, parents, in_shapes, out_shapes))
+    return out
+
+
+def swap_variable_value(keras_variable, new_tf_variable) -> None:
+    """Makes a Keras variable use `new_tf_variable` (same shape/dtype) from now on.
+
+    Keras 3 keeps the backend variable in `_value`; everything else (path, trainable, the
+    optimizer's slot lists, .keras save/load) goes through the Keras variable object."""
+    keras_variable._value = new_tf_variable
+
+
+def model_of_step(fn, _depth: int = 0):
+    """The Keras model whose step `fn` is, or None.
+
+    Keras' TF trainer calls `strategy.run(self.train_step, ...)` (a bound method) for fit and
+    evaluate, and `strategy.run(one_step_on_data, ...)` (a closure over the model, possibly a
+    tf.function or wrapped) for predict. The placement strategy uses this to find the model on its
+    first step and place it before any of its variables is read."""
+    if fn is None or _depth > 4:
+        return None
+    fn = getattr(fn, "python_function", fn)  # tf.function
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:
+        return None
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, keras.Model):
+        return owner
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if isinstance(value, keras.Model):
+            return value
+        if callable(value) and not isinstance(value, type):
+            found = model_of_step(value, _depth + 1)
+            if found is not None:
+                return found
+    return None

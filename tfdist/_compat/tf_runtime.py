@@ -1,0 +1,139 @@
+"""The TF runtime: eager context, coordination service, run metadata, profiler protos, tracking, tf.data."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
+from tensorflow.python.eager import context as _eager_context
+
+__all__ = ["SavedTensor", "add_control_inputs", "configure_coordination", "context_initialized",
+           "dataset_batch_size", "executed_partition_devices", "outside_any_strategy", "xspace_proto"]
+
+T = TypeVar("T")
+
+
+def context_initialized() -> bool:
+    """True once TensorFlow has created its runtime (device list fixed, collectives no longer configurable)."""
+    return bool(_eager_context.context()._initialized)
+
+
+def configure_coordination(leader: str, jobs: dict[str, int], *, register_timeout_s: float,
+                           heartbeat_timeout_s: float, shutdown_timeout_s: float) -> None:
+    """Turns on TF's coordination service with our timeouts, before MWMS would with its defaults.
+
+    MWMS configures the service itself only when none is configured, with TF's defaults: a peer that
+    never starts is waited for indefinitely (registration timeout off), and a dead peer is noticed only
+    after the default heartbeat timeout. `register_timeout_s` bounds the wait for all tasks at start-up;
+    `heartbeat_timeout_s` is how long a silent task counts as alive; both errors name the task.
+    """
+    coordinated = [_coordination_pb2.CoordinatedJob(name=job, num_tasks=n) for job, n in jobs.items()]
+    _eager_context.context().configure_coordination_service(
+        service_type="standalone", service_leader=leader, enable_health_check=True,
+        cluster_register_timeout_in_ms=int(register_timeout_s * 1000),
+        heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
+        shutdown_barrier_timeout_in_ms=int(shutdown_timeout_s * 1000),
+        coordinated_jobs=coordinated)
+
+
+def outside_any_strategy(fn: Callable[[], T]) -> T:
+    """Runs `fn()` with no tf.distribute strategy in scope and returns its result.
+
+    TF keeps the strategy stack per thread, so a fresh thread starts in the default strategy: there,
+    variables are plain ones on the device in scope instead of being mirrored on every replica.
+    Exceptions are re-raised in the caller's thread.
+    """
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            box["error"] = err
+
+    worker = threading.Thread(target=run, name="tfdist-outside-strategy")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class SavedTensor(tf.__internal__.tracking.Trackable):
+    """A Trackable saved by tf.train.Checkpoint as one tensor, like a variable ("VARIABLE_VALUE").
+
+    Subclasses implement `read() -> tf.Tensor` and `write(value)`; a checkpoint written from it
+    reads back into a plain tf.Variable of the same shape, and the reverse.
+    """
+
+    def read(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    def write(self, value) -> None:
+        raise NotImplementedError
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.read()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.write(restored_tensors["VARIABLE_VALUE"])
+        return tf.no_op()
+
+
+def add_control_inputs(op, control_ops) -> None:
+    """Makes graph `op` (already created) wait for `control_ops`. Used by the GPipe stage streams,
+    whose backward order is only known once the tape has traced later ops."""
+    op._add_control_inputs(list(control_ops))
+
+
+def dataset_batch_size(dataset) -> int | None:
+    """The batch size a tf.data pipeline was batched with: a `.batch(n)` with a constant n found
+    walking its input datasets (through zips too), or a static batch dimension; None otherwise.
+
+    Keras' own NumPy-array pipelines slice batches by index and show no batch size."""
+    for spec in tf.nest.flatten(getattr(dataset, "element_spec", None)):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and shape.rank and shape[0] is not None:
+            return int(shape[0])
+    stack, seen = [dataset], 0
+    while stack and seen < 64:
+        current = stack.pop()
+        seen += 1
+        size = getattr(current, "_batch_size", None)
+        if size is not None:
+            value = tf.get_static_value(size)
+            return int(value) if value is not None else None
+        inputs = [getattr(current, "_input_dataset", None), *tf.nest.flatten(getattr(current, "_datasets", ()))]
+        stack.extend(d for d in inputs if d is not None)
+    return None
+
+
+def executed_partition_devices(fn: Callable[[], object]) -> dict[str, set[str]]:
+    """Runs `fn()` once with TF's run-metadata collection on, and returns node name -> devices of
+    every node in the partition graphs TF actually executed (after placement; a name used in
+    several functions can map to several devices).
+
+    Only functions instantiated while collecting are reported: call it on the first run of a
+    tf.function (or after its first trace)."""
+    _eager_context.enable_run_metadata()
+    try:
+        fn()
+        metadata = _eager_context.export_run_metadata()
+    finally:
+        _eager_context.disable_run_metadata()
+    devices: dict[str, set[str]] = {}
+    for graphs in metadata.function_graphs:
+        for partition in graphs.partition_graphs:
+            for node in partition.node:
+                devices.setdefault(node.name, set()).add(node.device)
+    return devices
+
+
+def xspace_proto():
+    """The XSpace protobuf class TF's profiler writes (*.xplane.pb)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    return xplane_pb2.XSpace

@@ -1,0 +1,58 @@
+"""Forming a multi-worker cluster: wait for the peers named in TF_CONFIG, or say which ones never came."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from tfdist.cluster.ports import port_open
+from tfdist.cluster.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
+from tfdist.errors import ConfigError
+
+__all__ = ["cluster_config_of", "startup_error", "wait_for_peers"]
+
+
+def cluster_config_of(resolver) -> ClusterConfig | None:
+    """The checked cluster of a `tf.distribute.cluster_resolver.ClusterResolver`, or of TF_CONFIG when
+    `resolver` is None; None for a single local worker."""
+    if resolver is None:
+        return tf_config_from_env()
+    spec = resolver.cluster_spec().as_dict()
+    if not spec:
+        return None
+    return parse_tf_config({"cluster": spec, "task": {"type": resolver.task_type, "index": resolver.task_id}})
+
+
+def wait_for_peers(config: ClusterConfig, timeout_s: float) -> None:
+    """Waits until every peer's port accepts connections; ConfigError naming the silent ones after `timeout_s`.
+
+    Every worker starts its gRPC server before registering with the coordination leader, so a peer
+    whose port stays closed for `timeout_s` never started: say so before TF's runtime waits.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = [addr for _, _, addr in config.peers()]
+    while pending and time.monotonic() < deadline:
+        pending = [addr for addr in pending if not port_open(addr)]
+        if pending:
+            time.sleep(0.2)
+    if pending:
+        raise startup_error(config, timeout_s, None, missing=pending)
+
+
+def startup_error(config: ClusterConfig, timeout_s: float, err: Exception | None,
+                  missing: list[str] | None = None) -> ConfigError:
+    """The error of a cluster that did not form: which peers are not answering, and what to do."""
+    if missing is None:
+        missing = [addr for _, _, addr in config.peers() if not port_open(addr)]
+    names = {addr: f"/job:{job}/replica:0/task:{i} at {addr}" for job, i, addr in config.peers()}
+    who = f"; not answering: {', '.join(names[a] for a in missing)}" if missing else ""
+    return ConfigError(
+        f"worker {config.task_name} ({config.address()}) could not form the cluster of "
+        f"{config.num_workers} workers within timeout_s={timeout_s:g} s{who}. Start every worker "
+        f"listed in TF_CONFIG (e.g. with `tfdist launch -n {config.num_workers} -- ...`), check the "
+        f"addresses, or raise timeout_s." + (f" TensorFlow said: {_first_line(err)}" if err else ""))
+
+
+def _first_line(err: Exception) -> str:
+    text = getattr(err, "message", None) or str(err)
+    return re.sub(r"\s+", " ", text.strip())[:400]
