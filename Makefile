@@ -1,6 +1,6 @@
 # tfdist — set-up, main job and tests. On a fresh Debian box with Python 3.11:
-#   make demo   # create .venv, install, train the CNN on real MNIST under 4 replicas
-#   make test   # same set-up, then the whole suite (tests and notebooks)
+#   make demo   # create .venv with tfdist and TensorFlow only, train the CNN on real MNIST under 4 replicas
+#   make test   # everything the suite needs (OpenMPI, SLURM, the Horovod build), then the whole suite
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -31,7 +31,9 @@ help:
 	@echo "make quick   the suite without the slow multi-process tests"
 	@echo "make bench   the benchmarks (JSON and PNG under $(OUT)/)"
 
-setup: $(STAMP) horovod
+# What every target needs: the venv with tfdist, TensorFlow and the test tools. `make test` adds the
+# Debian packages and the Horovod build; the demo needs neither.
+setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
@@ -67,10 +69,10 @@ demo: setup
 	$(BIN)/tfdist train --strategy mirrored --replicas 4 --epochs 5 --dataset mnist \
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
-test: setup system-deps
+test: setup system-deps horovod
 	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
 
-quick: setup
+quick: setup system-deps horovod
 	$(BIN)/pytest tests -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
@@ -78,7 +80,7 @@ bench: setup
 	$(BIN)/tfdist bench pipeline --json $(OUT)/bench_pipeline.json --png $(OUT)/bench_pipeline.png
 
 # The SLURM tests alone (issue 7): a real slurmctld + two slurmd in network namespaces; root only.
-test-slurm: setup system-deps
+test-slurm: setup system-deps horovod
 	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_preemption.py $(PYTEST_ARGS)
 
 clean:

@@ -113,7 +113,7 @@ def test_installed_horovod_lists_tensorflow_mpi_and_gloo():
 
 
 def test_gloo_backend_gives_every_rank_its_environment_and_serves_rendezvous():
-    from tfdist.cluster.horovod_env import GlooBackend
+    from tfdist.cluster.backends import GlooBackend
 
     with GlooBackend().environments(3, devices_per_worker=2) as envs:
         assert [e["HOROVOD_RANK"] for e in envs] == ["0", "1", "2"]

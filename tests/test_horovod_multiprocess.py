@@ -33,7 +33,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def launch(launcher: str, cmd: list[str], timeout: float = 180) -> tuple[list[int], str]:
     """Runs `cmd` as 2 ranks under `launcher`; returns (exit codes, combined output). Kills all on timeout."""
     if launcher == "gloo_backend":
-        from tfdist.cluster.horovod_env import GlooBackend
+        from tfdist.cluster.backends import GlooBackend
 
         with GlooBackend().environments(2, devices_per_worker=1) as envs:
             procs = [subprocess.Popen(cmd, env={**ENV, **e}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -136,7 +136,7 @@ def test_fp16_compression_trains_to_the_same_accuracy_band(tmp_path):
 
 
 def test_a_dying_rank_makes_the_others_exit_nonzero_within_60s(tmp_path):
-    from tfdist.cluster.horovod_env import GlooBackend
+    from tfdist.cluster.backends import GlooBackend
 
     with GlooBackend().environments(2, devices_per_worker=1) as envs:
         procs = [subprocess.Popen(worker("die", str(tmp_path)), env={**ENV, **e}, stdout=subprocess.PIPE,

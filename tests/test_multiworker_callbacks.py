@@ -10,17 +10,37 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from tfdist.training import BackupAndRestore, ModelCheckpoint
 
 NOT_CHIEF = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}})
 
 
-def _order(shuffle: tfdist.data.EpochOrder, ds: tf.data.Dataset, epoch: int) -> list[int]:
-    shuffle.on_epoch_begin(epoch)
+def _order(order: tfdist.data.EpochOrder, ds: tf.data.Dataset, epoch: int) -> list[int]:
+    order.on_epoch_begin(epoch)
     return [int(v) for v in ds]
 
 
-def test_epoch_shuffle_order_depends_only_on_seed_and_epoch():
-    assert tfdist.cluster.EpochShuffle is tfdist.data.EpochOrder  # issue 3's name: one implementation
+def test_old_cluster_names_are_the_training_objects():
+    import tfdist.training
+
+    for name in ("BackupAndRestore", "ModelCheckpoint", "save_model", "Preemption"):
+        assert getattr(tfdist.cluster, name) is getattr(tfdist.training, name), name
+    from tfdist.cluster.requeue import requeue_job
+
+    assert tfdist.cluster.requeue_job is requeue_job
+    assert not hasattr(tfdist.cluster, "EpochShuffle")  # the one per-epoch order is tfdist.data.EpochOrder
+
+
+def test_model_checkpoint_forwards_every_keras_hook():
+    hooks = [f"on_{stage}_{event}" for stage in ("train", "test", "predict") for event in ("begin", "end")]
+    hooks += [f"on_{stage}_batch_{event}" for stage in ("train", "test", "predict") for event in ("begin", "end")]
+    hooks += ["on_epoch_begin", "on_epoch_end"]
+    assert {name for name in vars(keras.callbacks.Callback) if name.startswith("on_")} - {
+        "on_batch_begin", "on_batch_end"} == set(hooks)  # Keras' hooks, less the aliases of the train batch hooks
+    assert [name for name in hooks if name not in vars(ModelCheckpoint)] == []
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch():
     a = tfdist.data.EpochOrder(seed=7)
     ds_a = a.apply(tf.data.Dataset.range(50))
     orders = [_order(a, ds_a, e) for e in range(3)]
@@ -47,7 +67,7 @@ def _model(seed: int = 0) -> keras.Model:
 def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.ones((64, 1), "float32")
-    backup = tfdist.cluster.BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
+    backup = BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
     model = _model()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[backup])
     assert os.listdir(tmp_path / "b") == ["epoch-2"]  # only the newest, complete backup; no temp dirs left
@@ -66,12 +86,12 @@ def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
 def test_non_chief_writes_no_backup_and_no_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", NOT_CHIEF)  # rank 1 of 2 (no strategy needed to decide)
     x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")
-    backup = tfdist.cluster.BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
-    ckpt = tfdist.cluster.ModelCheckpoint(str(tmp_path / "m.keras"))
+    backup = BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
+    ckpt = ModelCheckpoint(str(tmp_path / "m.keras"))
     _model().fit(x, y, epochs=2, verbose=0, callbacks=[backup, ckpt])
     assert os.listdir(tmp_path) == []
     monkeypatch.delenv("TF_CONFIG")
-    ckpt = tfdist.cluster.ModelCheckpoint(str(tmp_path / "m.keras"))
+    ckpt = ModelCheckpoint(str(tmp_path / "m.keras"))
     _model().fit(x, y, epochs=1, verbose=0, callbacks=[ckpt])
     assert os.listdir(tmp_path) == ["m.keras"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tfdist.cluster.launcher import launch
-from tfdist.cluster.tf_config import TFConfigBackend
+from tfdist.cluster.backends import TFConfigBackend
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,7 @@ TRAIN = textwrap.dedent('''
     strategy = tfdist.MultiWorkerMirroredStrategy(timeout_s=30)
     import keras
     import tensorflow as tf
+    from tfdist.training import BackupAndRestore
 
     rank = tfdist.cluster.rank(strategy)
     print("PID", os.getpid(), flush=True)
@@ -48,7 +49,7 @@ TRAIN = textwrap.dedent('''
             keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
         ])
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")  # optimizer state must resume too
-    backup = tfdist.cluster.BackupAndRestore(backup_dir, strategy=strategy)
+    backup = BackupAndRestore(backup_dir, strategy=strategy)
     ran = []
 
     class Log(keras.callbacks.Callback):

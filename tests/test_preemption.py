@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist.cluster.preemption import Preemption
 from tfdist.data import EpochOrder
 from tfdist.errors import ConfigError
+from tfdist.training import Preemption
 
 EPOCHS = 4
 N, BATCH = 96, 16  # 6 steps per epoch

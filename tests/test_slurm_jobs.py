@@ -87,7 +87,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 value = strategy.run(lambda: tf.constant(float(cluster.rank + 1)))
 total = strategy.reduce("SUM", value, axis=None)
 # preemption: only rank 0 saw the signal, both workers decide to stop (all-reduce of the flags)
-from tfdist.cluster.preemption import collective_agreement
+from tfdist.training import collective_agreement
 agree = collective_agreement(strategy)
 stop = [agree(cluster.rank == 0), agree(False)]
 # the epoch-keyed training data (the default of tfdist.data.load), sharded across the two workers for epoch 2

@@ -1,4 +1,5 @@
-"""TF_CONFIG parsing and checks, the launcher's "tf" backend, and rank/chief detection (fast, in-process)."""
+"""TF_CONFIG parsing and checks, the launcher's "tf" backend, rank/chief detection and the lost-worker hook
+(fast, in-process)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import pytest
 
 from tfdist.cluster import is_chief, rank, world_size
-from tfdist.cluster.tf_config import LOCAL_DEVICES_ENV, TFConfigBackend, make_tf_configs, parse_tf_config
+from tfdist.cluster.backends import TFConfigBackend, make_tf_configs
+from tfdist.cluster.env import LOCAL_DEVICES_ENV
+from tfdist.cluster.tf_config import parse_tf_config
 from tfdist.errors import ConfigError
 
 TWO = {"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, "task": {"type": "worker", "index": 1}}
@@ -83,6 +86,8 @@ def test_tf_backend_environments():
     with TFConfigBackend().environments(2, devices_per_worker=3) as envs:
         assert [e[LOCAL_DEVICES_ENV] for e in envs] == ["3", "3"]
         assert [parse_tf_config(e["TF_CONFIG"]).rank for e in envs] == [0, 1]
+        assert [e["TFDIST_RANK"] for e in envs] == ["0", "1"]
+        assert set(envs[0]) == {"TF_CONFIG", LOCAL_DEVICES_ENV, "TFDIST_RANK"}
     with pytest.raises(ConfigError, match="devices_per_worker"):
         with TFConfigBackend().environments(2, devices_per_worker=0):
             pass
@@ -96,3 +101,33 @@ def test_rank_and_chief_from_environment():
     assert not is_chief(environ={"OMPI_COMM_WORLD_RANK": "1"})
     assert rank(environ={"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == 3
     assert world_size(environ={"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}) == 4
+    # the launchers' table decides the order: Horovod's own variables before OpenMPI's, TF_CONFIG before all
+    assert rank(environ={"OMPI_COMM_WORLD_RANK": "1", "HOROVOD_RANK": "2"}) == 2
+    assert rank(environ={"TF_CONFIG": json.dumps(TWO), "TFDIST_RANK": "0"}) == 1
+    assert (rank(environ={"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "3"}),
+            world_size(environ={"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "3"})) == (1, 3)
+    assert rank(environ={"HOROVOD_RANK": "", "SLURM_PROCID": "2"}) == 2  # empty values are no evidence
+
+
+def test_lost_worker_hook_is_installed_once_and_names_the_latest_cluster(monkeypatch, capsys):
+    import sys
+
+    import tensorflow as tf
+
+    from tfdist.cluster import faults
+
+    passed_on = []
+    monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: passed_on.append(exc_type))
+    monkeypatch.setitem(faults._HOOK, "installed", False)
+    monkeypatch.setitem(faults._HOOK, "config", None)
+    faults.install_excepthook(parse_tf_config({**TWO, "task": {"type": "worker", "index": 0}}))
+    hook = sys.excepthook
+    faults.install_excepthook(parse_tf_config(TWO))  # a second strategy: task 1 of the same cluster
+    assert sys.excepthook is hook  # not wrapped again
+    err = tf.errors.UnavailableError(None, None, "Collective ops is aborted by: /job:worker/replica:0/task:0 gone")
+    hook(type(err), err, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "tfdist: error: worker /job:worker/replica:0/task:1 lost /job:worker/replica:0/task:0 (localhost:2222)")
+    hook(ValueError, ValueError("a bug in the model"), None)  # anything else: the previous hook
+    assert passed_on == [ValueError]

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write a JSON record of the run to this file")
     p.add_argument("--save", help="save the trained model to this .keras file")
     p.add_argument("--backup-dir", help="checkpoint every epoch here and resume from it; on SIGUSR1/SIGTERM "
-                   "(sbatch --signal) stop, keep the checkpoint and requeue the SLURM job (tfdist.cluster.preemption)")
+                   "(sbatch --signal) stop, keep the checkpoint and requeue the SLURM job (tfdist.training.Preemption)")
     p.add_argument("--preempt-at", choices=("epoch", "step"), default="epoch",
                    help="with --backup-dir: stop at the end of the current epoch, or after the current step")
     p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Keras verbosity (1: progress bar)")
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     import tensorflow as tf
 
     import tfdist
-    from tfdist.callbacks import Throughput
     from tfdist.plots import plot_curves
+    from tfdist.training import Throughput
 
     options = {"zero_stage": args.zero_stage} if args.zero_stage else {}
     strategy = tfdist.strategies.make_strategy(args.strategy, replicas=args.replicas, **options)
@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     throughput = Throughput(len(arrays.x_train))
     callbacks = [throughput, data.order]  # epoch e's data order depends on (seed, e) only: resumable
     if args.backup_dir:  # checkpoint per epoch (chief writes, every rank restores), stop on SIGUSR1/SIGTERM
-        from tfdist.cluster.chief import BackupAndRestore
-        from tfdist.cluster.preemption import Preemption
+        from tfdist.training import BackupAndRestore, Preemption
 
         preemption = Preemption(backup=BackupAndRestore(args.backup_dir, strategy=strategy), at=args.preempt_at,
                                 is_chief=chief)
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(record, f, indent=2)
             print(f"wrote {args.json}")
     if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
-        from tfdist.cluster.chief import save_model
+        from tfdist.training import save_model
 
         if save_model(model, args.save, strategy):
             print(f"wrote {args.save}")

@@ -1,18 +1,50 @@
-"""Per-rank environments for Horovod's Gloo controller on one host, with its rendezvous server."""
+"""The launcher's backends: per-process environments for TF_CONFIG workers ("tf") and Horovod/Gloo ranks ("horovod")."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 
+from tfdist.cluster.env import LOCAL_DEVICES_ENV
+from tfdist.cluster.ports import free_ports
 from tfdist.errors import ConfigError
 
-__all__ = ["GlooBackend"]
+__all__ = ["GlooBackend", "TFConfigBackend", "make_tf_configs"]
+
+
+def make_tf_configs(n: int, host: str = "localhost") -> list[str]:
+    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"make_tf_configs: n (number of workers) must be a whole number >= 1, got {n!r}.")
+    addresses = [f"{host}:{port}" for port in free_ports(n)]
+    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}) for i in range(n)]
+
+
+class TFConfigBackend:
+    """Launcher backend "tf": TF_CONFIG on free loopback ports, the rank and the local device count.
+
+    Each process gets TF_CONFIG, TFDIST_RANK (its index) and TFDIST_LOCAL_DEVICES (the devices it uses).
+
+    Example:
+        >>> with TFConfigBackend().environments(2, devices_per_worker=1) as envs:
+        ...     envs[1]["TF_CONFIG"]  # '{"cluster": {"worker": ["localhost:41213", ...]}, "task": {..., "index": 1}}'
+    """
+
+    name = "tf"
+
+    @contextlib.contextmanager
+    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+        if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
+            raise ConfigError(f"TFConfigBackend: devices_per_worker must be a whole number >= 1, "
+                              f"got {devices_per_worker!r}.")
+        yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), "TFDIST_RANK": str(i)}
+               for i, cfg in enumerate(make_tf_configs(n))]
 
 
 class GlooBackend:
-    """Launcher backend: starts Horovod's rendezvous server and gives each rank its environment.
+    """Launcher backend "horovod": starts Horovod's rendezvous server and gives each rank its environment.
 
     What `horovodrun --gloo -np N` does for one host, as a context manager the launcher keeps open
     for the job's lifetime: an HTTP rendezvous server on loopback (a free port chosen by the kernel)
@@ -80,6 +112,5 @@ class GlooBackend:
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_IFACE": self.iface,
-            "TFDIST_LOCAL_DEVICES": str(devices_per_worker),
+            LOCAL_DEVICES_ENV: str(devices_per_worker),
         }
-

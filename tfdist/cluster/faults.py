@@ -63,20 +63,32 @@ def _lost_task(text: str, config: ClusterConfig) -> str | None:
     return None
 
 
+# The hook this process installed, and the cluster it names: installed once, however many
+# strategies are created; a later call only changes which cluster the hook names.
+_HOOK: dict = {"installed": False, "config": None}
+_HOOK_LOCK = threading.Lock()
+
+
 def install_excepthook(config: ClusterConfig | None) -> None:
     """Makes an uncaught "peer is gone" error print one clear line naming the lost task (exit code 1).
 
-    Any other uncaught exception goes to the previous hook unchanged.
+    Any other uncaught exception goes to the hook that was there before. Installed once per process;
+    calling it again (every MultiWorkerMirroredStrategy does) only replaces `config`.
     """
-    previous = sys.excepthook
+    with _HOOK_LOCK:
+        _HOOK["config"] = config
+        if _HOOK["installed"]:
+            return
+        previous = sys.excepthook
 
-    def hook(exc_type, exc, tb):
-        lost = lost_worker_error(exc, config) if exc is not None else None
-        if lost is None:
-            return previous(exc_type, exc, tb)
-        print(f"tfdist: error: {lost}", file=sys.stderr, flush=True)
+        def hook(exc_type, exc, tb):
+            lost = lost_worker_error(exc, _HOOK["config"]) if exc is not None else None
+            if lost is None:
+                return previous(exc_type, exc, tb)
+            print(f"tfdist: error: {lost}", file=sys.stderr, flush=True)
 
-    sys.excepthook = hook
+        sys.excepthook = hook
+        _HOOK["installed"] = True
 
 
 @contextlib.contextmanager

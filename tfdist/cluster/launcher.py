@@ -30,8 +30,8 @@ class LaunchBackend(Protocol):
 
 # backend name -> "module:attribute" of a zero-argument factory; imported only when chosen.
 BACKENDS: dict[str, str] = {
-    "tf": "tfdist.cluster.tf_config:TFConfigBackend",
-    "horovod": "tfdist.cluster.horovod_env:GlooBackend",
+    "tf": "tfdist.cluster.backends:TFConfigBackend",
+    "horovod": "tfdist.cluster.backends:GlooBackend",
 }
 
 # Seconds a stopped worker gets between SIGTERM and SIGKILL.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 __all__ = ["free_ports", "port_open"]
 
@@ -12,7 +11,7 @@ def free_ports(n: int) -> list[int]:
     """Returns `n` distinct TCP ports that were free a moment ago.
 
     All sockets stay bound until every port is chosen, so the kernel never hands out one twice.
-    Another program may still take a port before the worker binds it; the window is milliseconds.
+    Another program may still take a port in the short window before the worker binds it.
 
     Example:
         >>> a, b = free_ports(2)
@@ -38,12 +37,3 @@ def port_open(address: str, timeout_s: float = 0.5) -> bool:
     except OSError:
         return False
 
-
-def wait_for_port(address: str, timeout_s: float) -> bool:
-    """Polls `address` until it accepts connections or `timeout_s` passes; returns whether it did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_open(address):
-            return True
-        time.sleep(0.1)
-    return False

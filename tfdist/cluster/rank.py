@@ -1,23 +1,27 @@
-"""Which process am I: rank, world size and chief-ness from the strategy or the launcher's environment."""
+"""Which process am I: rank, world size and chief-ness from the strategy or the launcher's environment.
+
+The one implementation: every "am I the chief?" in tfdist (callbacks, saving, preemption, the CLI)
+calls `is_chief` here. Launcher variables come from the one table, `tfdist.cluster.env.LAUNCHERS`.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 
-__all__ = ["rank", "world_size", "is_chief"]
+from tfdist.cluster.env import LAUNCHERS
 
-# Rank variables set by launchers other than TF_CONFIG, checked in this order.
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+__all__ = ["rank", "world_size", "is_chief"]
 
 
 def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
     """This process's rank among the training processes (0 = chief).
 
-    Order of evidence: a multi-worker `strategy`'s own task (chief job first, then workers, as TF
-    numbers them); a strategy with a `rank` attribute (e.g. a Horovod strategy); TF_CONFIG; then
-    HOROVOD_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, SLURM_PROCID. 0 when nothing says otherwise.
+    Order of evidence: a strategy with an int `rank` attribute (e.g. a Horovod strategy); a
+    MultiWorkerMirroredStrategy's own task (chief job first, then workers, as TF numbers them);
+    TF_CONFIG; then the launchers' rank variables, in the order of `tfdist.cluster.env.LAUNCHERS`
+    (HOROVOD_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, ..., SLURM_PROCID, TFDIST_RANK).
+    0 when nothing says otherwise.
 
     Example:
         >>> tfdist.cluster.rank()   # under `tfdist launch -n 2`: 0 in one process, 1 in the other
@@ -28,9 +32,9 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
         if isinstance(own, int):
             return own
         if _is_multi_worker(strategy):
-            from tfdist import compat
+            from tfdist._compat.distribute import strategy_task
 
-            task_type, task_id, _ = compat.strategy_task(strategy)
+            task_type, task_id, _ = strategy_task(strategy)
             if task_type is not None:
                 spec = strategy.cluster_resolver.cluster_spec().as_dict()
                 chiefs = len(spec.get("chief", []))
@@ -39,31 +43,31 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
         from tfdist.cluster.tf_config import parse_tf_config
 
         return parse_tf_config(env["TF_CONFIG"]).rank
-    for var in _RANK_VARS:
-        if env.get(var, "").strip().isdigit():
-            return int(env[var])
-    return 0
+    found = _first_number(env, (launcher.rank_var for launcher in LAUNCHERS))
+    return 0 if found is None else found
 
 
 def world_size(strategy=None, environ: Mapping[str, str] | None = None) -> int:
-    """Number of training processes (1 when nothing says otherwise)."""
+    """Number of training processes (1 when nothing says otherwise).
+
+    Same order of evidence as `rank`: a strategy's int `size`, a MultiWorkerMirroredStrategy's worker
+    count, TF_CONFIG, then the launchers' size variables (`tfdist.cluster.env.LAUNCHERS`).
+    """
     env = os.environ if environ is None else environ
     if strategy is not None:
         own = getattr(strategy, "size", None)
         if isinstance(own, int):
             return own
         if _is_multi_worker(strategy):
-            from tfdist import compat
+            from tfdist._compat.distribute import strategy_task
 
-            return compat.strategy_task(strategy)[2]
+            return strategy_task(strategy)[2]
     if env.get("TF_CONFIG", "").strip():
         from tfdist.cluster.tf_config import parse_tf_config
 
         return parse_tf_config(env["TF_CONFIG"]).num_workers
-    for var in _SIZE_VARS:
-        if env.get(var, "").strip().isdigit():
-            return int(env[var])
-    return 1
+    found = _first_number(env, (launcher.size_var for launcher in LAUNCHERS if launcher.size_var))
+    return 1 if found is None else found
 
 
 def is_chief(strategy=None, environ: Mapping[str, str] | None = None) -> bool:
@@ -77,6 +81,15 @@ def is_chief(strategy=None, environ: Mapping[str, str] | None = None) -> bool:
         ...     model.save("model.keras")
     """
     return rank(strategy, environ) == 0
+
+
+def _first_number(env: Mapping[str, str], names) -> int | None:
+    """The value of the first of `names` that holds a whole number, or None."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def _is_multi_worker(strategy) -> bool:

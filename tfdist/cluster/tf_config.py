@@ -1,22 +1,15 @@
-"""TF_CONFIG: parse and check it with clear errors, write one per local worker, and the launcher's "tf" backend."""
+"""TF_CONFIG: parse and check it with clear errors (the launcher's "tf" backend writes it: cluster/backends.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tfdist.cluster.ports import free_ports
 from tfdist.errors import ConfigError
 
-__all__ = ["ClusterConfig", "parse_tf_config", "tf_config_from_env", "make_tf_configs", "TFConfigBackend",
-           "LOCAL_DEVICES_ENV"]
-
-# The launcher tells each worker how many local devices to use through this variable (an integer);
-# tfdist.MultiWorkerMirroredStrategy reads it when `local_devices` is None.
-LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
+__all__ = ["ClusterConfig", "parse_tf_config", "tf_config_from_env"]
 
 # Jobs MultiWorkerMirroredStrategy can run. 'ps' belongs to ParameterServerStrategy; 'evaluator' runs
 # outside the collective group (side-car evaluation), which this strategy does not support.
@@ -135,28 +128,3 @@ def tf_config_from_env(environ: Mapping[str, str] | None = None) -> ClusterConfi
     text = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
     return parse_tf_config(text) if text else None
 
-
-def make_tf_configs(n: int, host: str = "localhost") -> list[str]:
-    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"number of workers must be a whole number >= 1, got {n!r}.")
-    addresses = [f"{host}:{port}" for port in free_ports(n)]
-    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}) for i in range(n)]
-
-
-class TFConfigBackend:
-    """Launcher backend "tf": TF_CONFIG on free loopback ports, plus the local device count.
-
-    Example:
-        >>> with TFConfigBackend().environments(2, devices_per_worker=1) as envs:
-        ...     envs[1]["TF_CONFIG"]  # '{"cluster": {"worker": ["localhost:41213", ...]}, "task": {..., "index": 1}}'
-    """
-
-    name = "tf"
-
-    @contextlib.contextmanager
-    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
-        if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
-            raise ConfigError(f"devices_per_worker must be a whole number >= 1, got {devices_per_worker!r}.")
-        yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), "TFDIST_RANK": str(i),
-                "TFDIST_WORLD_SIZE": str(n)} for i, cfg in enumerate(make_tf_configs(n))]

@@ -126,10 +126,6 @@ class EpochOrder(keras.callbacks.Callback):
         return shuffled
 
     # --- Keras ---------------------------------------------------------------------------------------
-    def callback(self) -> EpochOrder:
-        """The callback that tells the pipeline which epoch Keras is starting (the order itself)."""
-        return self
-
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         self.epochs_begun.append(int(epoch))

@@ -116,8 +116,8 @@ def auto_strategy(zero_stage: int | None = None, backend: str | None = None, *, 
     """Returns the strategy `decide` picks for this process, and logs the choice (logger 'tfdist').
 
     zero_stage is passed to the strategy unchanged (the ZeRO layer defines its values); other
-    keyword options too. Under SLURM the step's cluster is exported as TF_CONFIG before the
-    multi-worker strategy is built, so every task joins the same cluster.
+    keyword options too. Under SLURM the multi-worker strategy gets the step's cluster as its
+    cluster resolver (the process's environment is not modified), so every task joins the same cluster.
 
     Example:
         >>> strategy = tfdist.auto_strategy()     # Mirrored here; MultiWorker inside `srun -N2 -n2`
@@ -127,8 +127,9 @@ def auto_strategy(zero_stage: int | None = None, backend: str | None = None, *, 
     if zero_stage is not None:
         options["zero_stage"] = zero_stage
     cls = _strategy_class(decision.kind)
-    if decision.kind == "multiworker" and decision.slurm is not None:
-        decision.slurm.export_tf_config()  # what a multi-worker strategy's cluster resolver reads
+    if decision.kind == "multiworker" and decision.slurm is not None and "cluster_resolver" not in options:
+        # The step's cluster goes to the strategy directly: this process's environment is left alone.
+        options["cluster_resolver"] = _resolver(decision.slurm.tf_config())
     if decision.kind == "mirrored" and replicas is not None:
         from tfdist.strategies.factory import local_replica_devices
 
@@ -137,6 +138,14 @@ def auto_strategy(zero_stage: int | None = None, backend: str | None = None, *, 
         return cls(**options)
     except TypeError as err:
         raise ConfigError(f"{cls.__name__} does not take the options {sorted(options)} ({err}).") from None
+
+
+def _resolver(tf_config: dict):
+    import tensorflow as tf
+
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(tf_config["cluster"]), task_type=tf_config["task"]["type"],
+        task_id=tf_config["task"]["index"], rpc_layer="grpc")
 
 
 def _strategy_class(kind: str):

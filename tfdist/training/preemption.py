@@ -1,11 +1,12 @@
 """Preemption under SLURM: on SIGUSR1/SIGTERM, stop fit cleanly, keep the checkpoint, requeue the job.
 
-`sbatch --signal=USR1@120` makes SLURM signal the job steps 120 s before the time limit (and
-`scancel --signal=USR1 JOB` does it by hand). `Preemption` is a Keras callback that wraps the
-backup callback (`tfdist.cluster.BackupAndRestore` by default: the chief writes, every worker
+`sbatch --signal=USR1@120` makes SLURM signal the job steps that many seconds before the time limit
+(and `scancel --signal=USR1 JOB` does it by hand). `Preemption` is a Keras callback that wraps the
+backup callback (`tfdist.training.BackupAndRestore` by default: the chief writes, every worker
 restores; any callback with BackupAndRestore's protocol plugs in through `backup=`): at the next
 epoch end (or step, with `at="step"`) it stops training, makes sure the last *complete* epoch is
-saved and the checkpoint is not deleted, and the chief runs `scontrol requeue $SLURM_JOB_ID`. The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
+saved and the checkpoint is not deleted, and the chief requeues the job (`tfdist.cluster.requeue_job`:
+`scontrol requeue $SLURM_JOB_ID`). The requeued job (same id, SLURM_RESTART_COUNT + 1) restores
 from that epoch. Only whole epochs count: with `at="step"` the partial epoch is discarded and run
 again after the restart, so with an epoch-keyed data order (`tfdist.data.EpochOrder`, which
 `tfdist.data.load` uses for training data) the final weights equal those of an uninterrupted run.
@@ -15,17 +16,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import keras
 
-from tfdist import compat
-from tfdist.cluster.rank import rank, world_size
+from tfdist._compat import keras_model
+from tfdist.cluster.rank import is_chief as chief_of, world_size
+from tfdist.cluster.requeue import requeue_job
 from tfdist.errors import ConfigError
 
-__all__ = ["Preemption", "collective_agreement", "requeue_job"]
+__all__ = ["Preemption", "collective_agreement"]
 
 
 class Preemption(keras.callbacks.Callback):
@@ -34,7 +35,7 @@ class Preemption(keras.callbacks.Callback):
     Pass it to `fit` instead of the backup callback it wraps (it forwards the backup's events).
 
     Args:
-        backup_dir: where `tfdist.cluster.BackupAndRestore` keeps its checkpoint (ignored when `backup`
+        backup_dir: where `tfdist.training.BackupAndRestore` keeps its checkpoint (ignored when `backup`
             given); the chief of the model's strategy writes it, every worker restores from it.
         backup: a callback with BackupAndRestore's protocol (restores in on_train_begin, saves in
             on_epoch_end, deletes in on_train_end), e.g. `keras.callbacks.BackupAndRestore`.
@@ -52,7 +53,8 @@ class Preemption(keras.callbacks.Callback):
             when the model's strategy spans several processes (`tfdist.cluster.world_size`).
 
     Example:
-        >>> stop = tfdist.cluster.Preemption(backup_dir="ckpt")
+        >>> from tfdist.training import Preemption       # also tfdist.cluster.Preemption
+        >>> stop = Preemption(backup_dir="ckpt")
         >>> model.fit(data.train, epochs=10, callbacks=[stop, data.order])
         >>> if stop.preempted: sys.exit(0)     # requeued; the next run resumes from the checkpoint
     """
@@ -76,7 +78,7 @@ class Preemption(keras.callbacks.Callback):
         if backup is None:
             if not backup_dir:
                 raise ConfigError("Preemption needs backup_dir (a directory for the checkpoint) or backup=.")
-            from tfdist.cluster.chief import BackupAndRestore
+            from tfdist.training.backup import BackupAndRestore
 
             backup = BackupAndRestore(backup_dir)
         self.backup = backup
@@ -85,7 +87,7 @@ class Preemption(keras.callbacks.Callback):
         self.requeue_signals = tuple(requeue_signals)
         self._requeue = requeue
         self._env = os.environ if environ is None else environ
-        self._is_chief = is_chief
+        self._chief = is_chief
         self._agree = agree
         self.received: int | None = None  # the signal that arrived
         self.preempted = False  # fit stopped because of a signal
@@ -97,7 +99,7 @@ class Preemption(keras.callbacks.Callback):
     @property
     def is_chief(self) -> bool:
         """Whether this process requeues the job (decided when training starts, unless given)."""
-        return bool(self._is_chief) if self._is_chief is not None else _is_chief(None, self._env)
+        return bool(self._chief) if self._chief is not None else chief_of(None, self._env)
 
     # --- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -132,12 +134,12 @@ class Preemption(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._install()
         strategy = self.model.distribute_strategy
-        if self._is_chief is None:
-            self._is_chief = _is_chief(strategy, self._env)
+        if self._chief is None:
+            self._chief = chief_of(strategy, self._env)
         if self._agree is None and world_size(strategy, self._env) > 1:
             self._agree = collective_agreement(strategy)
         self.backup.on_train_begin(logs)
-        start = compat.keras_initial_epoch(self.model)
+        start = keras_model.initial_epoch(self.model)
         if start:
             print(f"tfdist: resuming from the checkpoint at epoch {start}", flush=True)
 
@@ -203,19 +205,3 @@ def collective_agreement(strategy) -> Callable[[bool], bool]:
 
     return agree
 
-
-def requeue_job(environ: Mapping[str, str] | None = None) -> None:
-    """Runs `scontrol requeue $SLURM_JOB_ID` (the job must allow it: sbatch --requeue)."""
-    env = os.environ if environ is None else environ
-    job = env.get("SLURM_JOB_ID")
-    if not job:
-        raise ConfigError("requeue needs SLURM_JOB_ID: this process is not part of a SLURM job.")
-    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if proc.returncode:
-        raise ConfigError(f"scontrol requeue {job} failed: {proc.stderr.strip()} "
-                          "(was the job submitted with --requeue, and does JobRequeue allow it?)")
-    print(f"tfdist: requeued SLURM job {job}", flush=True)
-
-
-def _is_chief(strategy, env: Mapping[str, str]) -> bool:
-    return rank(strategy, env) == 0

@@ -1,4 +1,4 @@
-"""Keras callbacks tfdist adds to training runs."""
+"""Throughput: training samples per second, epoch by epoch."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import statistics
 import time
 
 import keras
+
+__all__ = ["Throughput"]
 
 
 class Throughput(keras.callbacks.Callback):

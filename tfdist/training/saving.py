@@ -1,0 +1,31 @@
+"""save_model: `model.save` for multi-process jobs (every rank calls it, the chief writes)."""
+
+from __future__ import annotations
+
+import os
+
+from tfdist.cluster.rank import is_chief
+from tfdist.sharding import gathered_state
+
+__all__ = ["save_model"]
+
+
+def save_model(model, filepath, strategy=None, **kwargs) -> bool:
+    """`model.save(filepath)` for multi-process jobs: call it on every rank; the chief writes.
+
+    With ZeRO across processes (HorovodStrategy / MultiWorkerMirroredStrategy with zero_stage > 0)
+    the optimizer state is sharded over the ranks, so every rank joins one all-gather first and the
+    file holds the full logical optimizer state (loadable in plain Keras on one device). Without
+    it, only the chief does anything. Returns True on the rank that wrote the file.
+
+    Example:
+        >>> from tfdist.training import save_model      # also tfdist.cluster.save_model
+        >>> save_model(model, "out/model.keras")        # every rank
+    """
+    chief = is_chief(strategy if strategy is not None else model.distribute_strategy)
+    with gathered_state(model):
+        if chief:
+            if os.path.dirname(os.fspath(filepath)):
+                os.makedirs(os.path.dirname(os.fspath(filepath)), exist_ok=True)
+            model.save(filepath, **kwargs)
+    return chief
