@@ -1,6 +1,7 @@
-"""The documentation: README length and commands, relative links, and a command and date for every figure.
+"""The documentation: README length and commands, relative links, a command and date for every figure,
+and notebooks stored executed.
 
-Fast and TensorFlow-free: it only reads README.md and docs/*.md.
+Fast and TensorFlow-free: it only reads README.md, docs/*.md and notebooks/*.ipynb.
 """
 
 from __future__ import annotations
@@ -116,3 +117,17 @@ def test_the_checks_themselves():
     assert a == "## A" and any(TABLE_ROW.match(line) for line in a_body) and b == "### B"
     assert LINK.findall(without_code(b_body[0])) == ["docs/x.md#y"]
     assert LINK.findall("[site](https://example.org) ![img](a.png)") == ["https://example.org", "a.png"]
+
+
+@pytest.mark.parametrize("notebook", sorted((REPO / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_are_stored_executed_with_their_plots(notebook):
+    """Notebooks read on the repository's web page: every code cell ran (in order) and the plots are there.
+    CI executes them again (pytest --nbmake)."""
+    import json
+
+    cells = [c for c in json.loads(notebook.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+    counts = [c.get("execution_count") for c in cells]
+    assert all(isinstance(n, int) for n in counts), f"{notebook.name}: cells not executed: {counts}"
+    assert counts == sorted(counts), f"{notebook.name}: cells stored out of order: {counts}"
+    images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, f"{notebook.name}: no plot stored"

@@ -201,6 +201,23 @@ def test_optimizer_created_outside_scope(stage):
         model.fit(X[:64], Y[:64], batch_size=64, epochs=1, verbose=0)
 
 
+def test_optimizer_built_outside_the_scope_is_sharded_too():
+    """An optimizer created in the scope and built after it (e.g. before loading a checkpoint) is sharded,
+    while the Keras optimizer classes are stock again once the scope is closed."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    stock = BaseOptimizer.__dict__["build"]
+    strategy = tfdist.MirroredStrategy(zero_stage=1)
+    with strategy.scope():
+        model = small_cnn()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        assert BaseOptimizer.__dict__["build"] is not stock  # the hook is open inside the scope
+    assert BaseOptimizer.__dict__["build"] is stock
+    model.optimizer.build(model.trainable_variables)
+    engine = tfdist.sharding.engine_of(model.optimizer)
+    assert engine is not None and engine.stage == 1 and engine.layout.num_shards == 4
+
+
 @pytest.mark.parametrize("optimizer, match", [
     (lambda: keras.optimizers.Adafactor(), "factored"),
     (lambda: keras.optimizers.Lamb(), "trust ratio"),

@@ -10,50 +10,72 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
-__all__ = ["apply_weight_decay", "build_hook", "keras_all_reduce_sum", "learning_rate_variable", "optimizer_strategy",
+__all__ = ["apply_weight_decay", "hook_instance_build", "optimizer_hooks", "keras_all_reduce_sum", "learning_rate_variable", "optimizer_strategy",
            "override_sharded_state", "record_slot_creation", "reindex", "track_variable", "variable_index"]
 
-# --- The build hook ----------------------------------------------------------------------------------
+# --- The build hooks ----------------------------------------------------------------------------------
 # Keras 3 gives a strategy no handle on an optimizer before it creates its slots. Every Keras
 # optimizer's build() calls BaseOptimizer.build() (via super()) before it creates any slot, so a hook
-# there can turn the optimizer into a sharded one in time. The hook is installed on BaseOptimizer only
-# while some tfdist strategy's scope (or run) is active, and the stock method is put back when the last
-# one closes: plain Keras outside tfdist scopes runs the untouched class.
+# there can turn the optimizer into a sharded one in time. The hooks are installed on BaseOptimizer only
+# while some tfdist strategy's scope (or run) is open, and the stock methods are put back when the last
+# one closes: plain Keras outside tfdist scopes runs the untouched classes. An optimizer created while
+# a scope is open can get the build hook on its own instance (`hook_instance_build`), so that a later
+# `optimizer.build(...)` outside the scope is seen too.
 _lock = threading.RLock()
-_active: dict[Callable, int] = {}  # hook -> number of open scopes that asked for it
-_stock_build: Callable | None = None
+_open: dict[tuple, int] = {}  # (on_build, on_create) -> number of open blocks that asked for them
+_stock: dict[str, Callable] = {}
 
 
 def _build_with_hooks(self, variables):
-    for hook in list(_active):
-        hook(self, variables)
-    return _stock_build(self, variables)
+    for on_build, _ in list(_open):
+        on_build(self, variables)
+    return _stock["build"](self, variables)
+
+
+def _init_with_hooks(self, *args, **kwargs):
+    _stock["__init__"](self, *args, **kwargs)
+    for _, on_create in list(_open):
+        if on_create is not None:
+            on_create(self)
 
 
 @contextlib.contextmanager
-def build_hook(hook: Callable) -> Iterator[None]:
-    """While open, `hook(optimizer, variables)` runs at the start of every Keras optimizer's base build().
+def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> Iterator[None]:
+    """While open, `on_build(optimizer, variables)` runs at the start of every Keras optimizer's base
+    build(), and `on_create(optimizer)` after every optimizer's base __init__().
 
-    Re-entrant and thread-safe (counted per hook). Keras classes are modified only while at least
-    one such block is open; each hook runs once per build however many blocks asked for it.
+    Re-entrant and thread-safe (counted per pair of hooks). Keras classes are modified only while at
+    least one such block is open; each hook runs once per call however many blocks asked for it.
     """
-    global _stock_build
     base = _base_optimizer.BaseOptimizer
+    key = (on_build, on_create)
     with _lock:
-        if not _active:
-            _stock_build = base.__dict__["build"]
-            base.build = _build_with_hooks
-        _active[hook] = _active.get(hook, 0) + 1
+        if not _open:
+            _stock.update(build=base.__dict__["build"], __init__=base.__dict__["__init__"])
+            base.build, base.__init__ = _build_with_hooks, _init_with_hooks
+        _open[key] = _open.get(key, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            _active[hook] -= 1
-            if not _active[hook]:
-                del _active[hook]
-            if not _active:
-                base.build = _stock_build
-                _stock_build = None
+            _open[key] -= 1
+            if not _open[key]:
+                del _open[key]
+            if not _open:
+                base.build, base.__init__ = _stock.pop("build"), _stock.pop("__init__")
+
+
+def hook_instance_build(optimizer, on_build: Callable) -> None:
+    """Makes `optimizer.build(variables)` (this instance only) call `on_build(optimizer, variables)` first."""
+    if getattr(optimizer, "_tfdist_build_hook", None) is on_build:
+        return
+
+    def build(self, variables):
+        on_build(self, variables)
+        return type(self).build(self, variables)
+
+    _bind(optimizer, "build", build)
+    object.__setattr__(optimizer, "_tfdist_build_hook", on_build)
 
 
 # --- Reading an optimizer ------------------------------------------------------------------------------

@@ -134,3 +134,21 @@ def measure_layer_times(layers, input_shapes, *, batch: int = 64, repeats: int =
     overheads.append(fastest(identity, identity_inputs))
     overhead = min(overheads)
     return [max(t - overhead, 0.0) for t in raw]
+
+
+def measure_stage_costs(graph, infos, device: str, batch: int) -> None:
+    """Fills `info.seconds` of every layer of `graph` with its measured forward + training backward
+    on `device` at `batch` samples (balance="time"). The layers' variables (BatchNorm statistics,
+    RNG seeds) are put back as they were, so measuring changes no weight."""
+    import tensorflow as tf
+
+    layers = [layer for layer, *_ in graph]
+    saved = [[v.numpy() for v in layer.variables] for layer in layers]
+    with tf.device(device):
+        times = measure_layer_times(layers, [info.input_shapes for info in infos], batch=batch,
+                                    input_gradients=needs_input_gradients(graph))
+    for layer, values in zip(layers, saved):
+        for v, value in zip(layer.variables, values):
+            v.assign(value)
+    for info, seconds in zip(infos, times):
+        info.seconds = seconds

@@ -11,10 +11,22 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["pipeline_model_call", "split_batch"]
+__all__ = ["check_batch", "pipeline_model_call", "split_batch"]
 
 # model -> its own bound `call`, for models whose call this module wrapped (on that instance only)
 _original_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_batch(batch: int | None, replicas: int, micro_batches: int) -> None:
+    """ConfigError unless a global `batch` splits into `replicas` pipelines of `micro_batches` equal parts."""
+    if batch is None or micro_batches == 1:
+        return
+    if batch % (replicas * micro_batches):
+        raise ConfigError(
+            f"micro_batches={micro_batches} does not divide the batch: a batch of {batch} gives "
+            f"{batch / replicas:g} samples per pipeline replica ({replicas}), which must split into "
+            f"{micro_batches} equal micro-batches. Use a batch size that is a multiple of "
+            f"{replicas * micro_batches}.")
 
 
 def split_batch(x: tf.Tensor, micro_batches: int) -> tuple[list[tf.Tensor], tf.Tensor | None]:

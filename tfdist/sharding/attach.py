@@ -3,7 +3,8 @@
 Nothing here modifies Keras for the whole process. A strategy registers its `ZeroConfig` (or None for
 plain data parallelism) with `register_strategy`; while that strategy's `scope()` or `run()` is active it
 opens `building_optimizers()`, and only then does every Keras optimizer's base `build()` call
-`_on_build`, which gives an optimizer built for a registered ZeRO strategy its `ZeroEngine`.
+`_on_build`, which gives an optimizer built for a registered ZeRO strategy its `ZeroEngine`. Optimizers
+created in that scope carry the hook on their own instance, for builds outside the scope.
 `engine_of(optimizer)` finds it again.
 """
 
@@ -81,8 +82,17 @@ def gathered_state(model_or_optimizer) -> Iterator[None]:
 
 
 def building_optimizers():
-    """A context in which Keras optimizers built for a registered strategy get their ZeRO engine."""
-    return keras_optimizer.build_hook(_on_build)
+    """A context in which Keras optimizers built for a registered strategy get their ZeRO engine.
+
+    Optimizers created inside it for a registered strategy keep the build hook on their instance,
+    so `optimizer.build(...)` called later outside the scope shards them too.
+    """
+    return keras_optimizer.optimizer_hooks(_on_build, _on_create)
+
+
+def _on_create(optimizer) -> None:
+    if tf.distribute.get_strategy() in _strategies:
+        keras_optimizer.hook_instance_build(optimizer, _on_build)
 
 
 def _on_build(optimizer, variables) -> None:

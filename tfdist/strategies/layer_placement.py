@@ -15,7 +15,8 @@ from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
 from tfdist.placement.layer_call import colocate_with_inputs, place_layer_call
 from tfdist.placement.migrate import move_model_variables
-from tfdist.placement.pipeline import pipeline_model_call
+from tfdist.placement.balance import measure_stage_costs
+from tfdist.placement.pipeline import check_batch, pipeline_model_call
 from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 from tfdist.placement.streams import StageStreams
 
@@ -135,7 +136,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         with tf.init_scope():  # may be called while Keras traces its first step
             infos = describe_model(model)
             if self._balance == "time" and self._placement == "auto":
-                self._measure(graph, infos)
+                measure_stage_costs(graph, infos, self._grid[0][0], self._measure_batch or 64)
             plan = make_plan(infos, self._placement, self._grid, balance=self._balance,
                              micro_batches=self._micro_batches)
             with self.scope():
@@ -162,7 +163,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
 
     def experimental_distribute_dataset(self, dataset, options=None):
         batch = tf_runtime.dataset_batch_size(dataset)
-        self._check_batch(batch)
+        check_batch(batch, len(self._grid), self._micro_batches)
         if batch and self._measure_batch is None:
             self._measure_batch = max(batch // (len(self._grid) * self._micro_batches), 1)
         return super().experimental_distribute_dataset(dataset, options)
@@ -191,29 +192,3 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 return fn(*args, **kwargs)
 
         return replica_fn
-
-    def _check_batch(self, batch: int | None) -> None:
-        if batch is None or self._micro_batches == 1:
-            return
-        replicas = len(self._grid)
-        if batch % (replicas * self._micro_batches):
-            raise ConfigError(
-                f"micro_batches={self._micro_batches} does not divide the batch: a batch of {batch} gives "
-                f"{batch / replicas:g} samples per pipeline replica ({replicas}), which must split into "
-                f"{self._micro_batches} equal micro-batches. Use a batch size that is a multiple of "
-                f"{replicas * self._micro_batches}.")
-
-    def _measure(self, graph, infos) -> None:
-        from tfdist.placement.balance import measure_layer_times, needs_input_gradients
-
-        layers = [layer for layer, *_ in graph]
-        saved = [[v.numpy() for v in layer.variables] for layer in layers]  # BN stats, RNG seeds
-        with tf.device(self._grid[0][0]):
-            times = measure_layer_times(layers, [info.input_shapes for info in infos],
-                                        batch=self._measure_batch or 64,
-                                        input_gradients=needs_input_gradients(graph))
-        for layer, values in zip(layers, saved):
-            for v, value in zip(layer.variables, values):
-                v.assign(value)
-        for info, seconds in zip(infos, times):
-            info.seconds = seconds
