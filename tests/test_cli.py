@@ -33,6 +33,33 @@ def test_bad_input_exits_2_with_a_named_parameter(args, message):
         assert "'mirrored'" in proc.stderr and "got 'bogus'" in proc.stderr
 
 
+@pytest.mark.parametrize("option", ["--save", "--json", "--plot", "--backup-dir"])
+def test_unwritable_output_paths_are_refused_before_training(tmp_path, option):
+    """A path below a regular file fails at once, naming the option, instead of after the whole run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    target = blocker / ("out.keras" if option == "--save" else "out")
+    proc = tfdist_cmd("train", option, str(target), "--epochs", "1", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{option} {target}: {blocker} is a file, not a directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Epoch 1" not in proc.stdout
+
+
+def test_an_output_that_fails_after_training_is_rescued_not_lost(tmp_path, capsys):
+    from tfdist.cli.outputs import write_or_rescue
+
+    def write(path):
+        if "tfdist-rescued-" not in path:
+            raise PermissionError(13, "Permission denied")
+        with open(path, "w") as f:
+            f.write("the result")
+
+    where = write_or_rescue(str(tmp_path / "run.json"), write, "the run record")
+    assert where != str(tmp_path / "run.json") and open(where).read() == "the result"
+    assert f"could not write the run record to {tmp_path / 'run.json'} (Permission denied); wrote it to {where}" \
+        in capsys.readouterr().err
+
+
 def test_help_lists_commands_without_starting_tensorflow():
     proc = tfdist_cmd("--help")
     assert proc.returncode == 0 and "train" in proc.stdout and "bench" in proc.stdout

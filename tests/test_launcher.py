@@ -104,3 +104,22 @@ def test_cli_launch_runs_and_reports_missing_command():
     fail = subprocess.run([*tfdist_cmd, "launch", "-n", "2", "--", PY, "-c", "import sys; sys.exit(3)"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert fail.returncode == 3
+
+
+@pytest.mark.parametrize("program, message", [
+    ("/no/such/program", "cannot launch '/no/such/program': no such file"),
+    ("no-such-program-tfdist", "cannot launch 'no-such-program-tfdist': no such program on PATH"),
+])
+def test_a_program_that_does_not_exist_is_one_line_and_exit_2(program, message):
+    proc = subprocess.run([PY, "-m", "tfdist", "launch", "-n", "2", "--", program], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tfdist launch: error: {message}. usage: tfdist launch -n 2 -- python train.py"
+
+
+def test_a_file_that_is_not_executable_is_named(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')")
+    with pytest.raises(ConfigError, match="not executable .* -- python script.py"):
+        launch([str(script)], 2, out=io.StringIO())
+

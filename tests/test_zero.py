@@ -246,3 +246,54 @@ def test_non_float_trainable_variable():
         model.compile(optimizer="sgd", loss="mse")
         with pytest.raises(ConfigError, match="floating point"):
             model.optimizer.build(model.trainable_variables)
+
+
+class _Scale(keras.layers.Layer):
+    """A layer with one scalar (0-d) trainable weight."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_scalar_trainable_variables_are_sharded_like_any_other(stage):
+    def scaled_cnn():
+        inputs = keras.Input((8, 8, 1))
+        return keras.Model(inputs, small_cnn()(_Scale()(inputs)))
+
+    (_, m0), (_, m) = train(0, model_fn=scaled_cnn, steps=8), train(stage, model_fn=scaled_cnn, steps=8)
+    assert any(len(w.shape) == 0 for w in m.trainable_weights)
+    assert max_rel(m0.get_weights(), m.get_weights()) < (1e-12 if stage == 1 else 1e-4)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_apply_gradients_on_tf_variables_in_a_custom_loop(stage):
+    """Keras 3 optimizers take plain tf.Variables created in the scope (TensorFlow's custom-loop pattern)."""
+    x = tf.constant(np.random.default_rng(3).normal(size=(4, 3)), tf.float32)
+
+    def run(zero_stage):
+        strategy = tfdist.MirroredStrategy(zero_stage=zero_stage)
+        with strategy.scope():
+            w = tf.Variable(tf.reshape(tf.range(6, dtype=tf.float32), (3, 2)) / 10, name="w")
+            b = tf.Variable(0.5, name="b")
+            optimizer = keras.optimizers.Adam(1e-2)
+            optimizer.build([w, b])
+
+        @tf.function
+        def step(x):
+            def replica(x):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.square(tf.matmul(x, w) + b - 1.0)) / 8
+                optimizer.apply_gradients(zip(tape.gradient(loss, [w, b]), [w, b]))
+            strategy.run(replica, args=(x,))
+
+        for _ in range(5):
+            step(x)
+        return [w.numpy(), b.numpy()], tfdist.sharding.engine_of(optimizer)
+
+    (ref, _), (got, engine) = run(0), run(stage)
+    assert engine is not None and engine.stage == stage
+    assert max_rel(ref, got) < (1e-12 if stage == 1 else 1e-4)

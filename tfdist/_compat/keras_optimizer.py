@@ -7,6 +7,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 
+import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
@@ -110,7 +111,8 @@ def keras_all_reduce_sum(optimizer, grads: list, variables: list) -> list:
 
     ZeRO-1 reduces exactly like stage 0 through this, so both see bit-identical gradients.
     """
-    pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, [getattr(v, "value", v) for v in variables])))
+    tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]  # Keras or tf.Variables
+    pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, tf_vars)))
     return [g for g, _ in pairs]
 
 

@@ -54,6 +54,11 @@ def _check(args: argparse.Namespace) -> None:
                           f", not {args.strategy!r}. Use one of those, or --zero-stage 0.")
     if args.save and not args.save.endswith(".keras"):
         raise ConfigError(f"--save must name a .keras file, got {args.save!r}.")
+    from tfdist.cli.outputs import check_output_path
+
+    for parameter, path in (("--save", args.save), ("--json", args.json), ("--plot", args.plot)):
+        check_output_path(path, parameter)
+    check_output_path(args.backup_dir, "--backup-dir", directory=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,22 +119,29 @@ def run(args: argparse.Namespace) -> int:
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
     }
-    if chief:
-        for path in (args.plot, args.json):
-            if path and os.path.dirname(path):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-        if args.plot:
-            plot_curves(record["history"], args.plot, title=f"{args.dataset}, {args.strategy} x{replicas}")
-            print(f"wrote {args.plot}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(record, f, indent=2)
-            print(f"wrote {args.json}")
-    if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
-        from tfdist.training import save_model
+    # Paths were checked before training; a write that still fails goes to a temporary directory instead
+    # (and the command exits 1), so the finished training is not lost.
+    from tfdist.cli.outputs import write_or_rescue
 
-        if save_model(model, args.save, strategy):
-            print(f"wrote {args.save}")
+    written = []
+    if chief and args.plot:
+        title = f"{args.dataset}, {args.strategy} x{replicas}"
+        written.append((args.plot, write_or_rescue(args.plot, lambda p: plot_curves(record["history"], p, title=title),
+                                                   "the training curves")))
+    if chief and args.json:
+        def write_json(p):
+            with open(p, "w") as f:
+                json.dump(record, f, indent=2)
+
+        written.append((args.json, write_or_rescue(args.json, write_json, "the run record")))
+    if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
+        with tfdist.sharding.gathered_state(model):
+            if chief:
+                written.append((args.save, write_or_rescue(args.save, model.save, "the model")))
+    for wanted, path in written:
+        print(f"wrote {path}")
+    if any(wanted != path for wanted, path in written):
+        return 1
     return 0
 
 

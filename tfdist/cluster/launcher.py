@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def launch(
         raise ConfigError(f"-n (number of workers) must be a whole number >= 1, got {n!r}.")
     if not command:
         raise ConfigError("no command to launch; usage: tfdist launch -n 2 -- python train.py")
+    _check_program(command[0])
     out = out or sys.stdout
     backend = load_backend(backend) if isinstance(backend, str) else backend
     lock = threading.Lock()
@@ -110,6 +112,20 @@ def launch(
             for t in readers:
                 t.join(timeout=5)
     return code
+
+
+def _check_program(program: str) -> None:
+    """ConfigError when `program` cannot be started: a path that is not an executable file, or a name that
+    is on no directory of PATH (checked once here, instead of a traceback from every worker's Popen)."""
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise ConfigError(f"cannot launch {program!r}: no such file. usage: tfdist launch -n 2 -- python train.py")
+        if not os.access(program, os.X_OK):
+            raise ConfigError(f"cannot launch {program!r}: the file is not executable (chmod +x it, or run it "
+                              "through its interpreter, e.g. -- python script.py).")
+    elif shutil.which(program) is None:
+        raise ConfigError(f"cannot launch {program!r}: no such program on PATH. usage: tfdist launch -n 2 -- "
+                          "python train.py")
 
 
 def _supervise(procs: list[subprocess.Popen], say: Callable[[str], None], timeout_s: float | None) -> int:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfdist._compat import keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.sharding.config import ZeroConfig
-from tfdist.sharding.zero import ZeroEngine
+from tfdist.sharding.zero import ZeroEngine, tf_variable
 
 __all__ = ["building_optimizers", "cross_process_engine", "engine_of", "gathered_state", "register_strategy"]
 
@@ -99,8 +99,7 @@ def _on_build(optimizer, variables) -> None:
     """Build hook: turns `optimizer` into a ZeRO optimizer when its variables live under a ZeRO strategy."""
     if engine_of(optimizer) is not None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return
-    owners = [s for s in (getattr(getattr(v, "value", v), "distribute_strategy", None) for v in variables)
-              if s is not None]
+    owners = [s for s in (getattr(tf_variable(v), "distribute_strategy", None) for v in variables) if s is not None]
     target = next((s for s in [*owners, tf.distribute.get_strategy()] if s in _strategies), None)
     if target is None:
         return

@@ -89,7 +89,7 @@ class ZeroEngine:
         if not variables:
             raise ConfigError("ZeRO: the model has no trainable variables to shard.")
         dtypes = {tf.as_dtype(v.dtype) for v in variables}
-        bad = [v.path if hasattr(v, "path") else v.name for v in variables if not tf.as_dtype(v.dtype).is_floating]
+        bad = [_name(v) for v in variables if not tf.as_dtype(v.dtype).is_floating]
         if bad:
             raise ConfigError(f"ZeRO: trainable variables must be floating point; these are not: {bad}. "
                               "Mark them trainable=False (integer state is not optimised by gradients).")
@@ -153,7 +153,7 @@ class ZeroEngine:
         if sorted(order) != list(range(len(self.variables))):
             missing = sorted(set(range(len(self.variables))) - set(order))
             raise ConfigError(f"ZeRO needs a gradient for every trainable variable; none for "
-                              f"{[self.variables[i].path for i in missing]}. Set trainable=False on them.")
+                              f"{[_name(self.variables[i]) for i in missing]}. Set trainable=False on them.")
         by_index = dict(zip(order, grads))
         grads = [by_index[i] for i in range(len(self.variables))]
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
@@ -174,7 +174,7 @@ class ZeroEngine:
         n = len(comm.devices)
         local = strategy.experimental_local_results
         grads = [local(g) for g in grads]  # [variable][local replica]
-        params = [local(v.value) for v in self.variables]
+        params = [local(tf_variable(v)) for v in self.variables]
         lrs = local(learning_rate) if isinstance(learning_rate, tf.distribute.DistributedValues) else [learning_rate] * n
         if not self.reduce_scatters:
             shards = []
@@ -250,3 +250,12 @@ class ZeroEngine:
             return out
         return shards
 
+
+def tf_variable(variable):
+    """The tf.Variable (mirrored under a strategy) behind a Keras variable, or a tf.Variable itself:
+    Keras 3 optimizers take both, and `.value` is a tensor property on one and a method on the other."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _name(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
