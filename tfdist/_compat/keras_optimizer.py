@@ -7,7 +7,6 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 
-import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
@@ -106,13 +105,13 @@ def reindex(optimizer) -> None:
 
 
 # --- Gradient path pieces --------------------------------------------------------------------------------
-def keras_all_reduce_sum(optimizer, grads: list, variables: list) -> list:
-    """Keras' own gradient all-reduce (TFOptimizer._all_reduce_sum_gradients), in replica context.
+def keras_all_reduce_sum(optimizer, grads: list, tf_variables: list) -> list:
+    """Keras' own gradient all-reduce (TFOptimizer._all_reduce_sum_gradients), in replica context, for
+    gradients of `tf_variables` (the tf.Variables, not Keras variables).
 
     ZeRO-1 reduces exactly like stage 0 through this, so both see bit-identical gradients.
     """
-    tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]  # Keras or tf.Variables
-    pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, tf_vars)))
+    pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, tf_variables)))
     return [g for g, _ in pairs]
 
 

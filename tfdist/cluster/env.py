@@ -33,7 +33,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
              "horovodrun --gloo / tfdist launch --backend horovod"),
     Launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", True,
              "mpirun (OpenMPI) / horovodrun --mpi"),
-    Launcher("srun", "PMIX_RANK", None, None, False, "srun --mpi=pmix"),
+    Launcher("srun", "PMIX_RANK", None, None, True, "srun --mpi=pmix"),
     Launcher("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", True, "mpirun (MPICH) / srun"),
     Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", True,
              "mpirun (MVAPICH)"),
@@ -63,10 +63,7 @@ def launched_by(environ: Mapping[str, str] | None = None) -> str | None:
         >>> launched_by({"OMPI_COMM_WORLD_RANK": "1"})
         'mpirun (OpenMPI) / horovodrun --mpi'
     """
-    env = os.environ if environ is None else environ
-    found = launcher_of(env, mpi_world=True)
-    if found is None and env.get("PMIX_RANK", "").strip():
-        found = next(launcher for launcher in LAUNCHERS if launcher.rank_var == "PMIX_RANK")
+    found = launcher_of(environ, mpi_world=True)
     return found.description if found else None
 
 

@@ -157,7 +157,7 @@ class ZeroEngine:
         by_index = dict(zip(order, grads))
         grads = [by_index[i] for i in range(len(self.variables))]
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
-            grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, self.variables)
+            grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, [tf_variable(v) for v in self.variables])
         keras_optimizer.apply_weight_decay(self.optimizer, self.variables)
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 

@@ -71,7 +71,7 @@ def decide(environ: Mapping[str, str] | None = None, backend: str | None = None,
         raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {backend!r}.")
     for launcher in LAUNCHERS:
         source, rank_var, size_var = launcher.kind, launcher.rank_var, launcher.size_var
-        if launcher.mpi_world and env.get(size_var):
+        if launcher.mpi_world and size_var and env.get(size_var):  # srun --mpi=pmix sets no size: SLURM below
             if backend == "tf":
                 raise ConfigError(f"backend='tf' but this process was started by {source} ({size_var}="
                                   f"{env[size_var]}); TF collectives need TF_CONFIG or an srun step. Use "
