@@ -81,7 +81,7 @@ bench: setup
 
 # The SLURM tests alone (issue 7): a real slurmctld + two slurmd in network namespaces; root only.
 test-slurm: setup system-deps horovod
-	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_preemption.py $(PYTEST_ARGS)
+	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_slurm_ps.py tests/test_preemption.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info

@@ -29,6 +29,7 @@ _LAZY = {
     "HorovodStrategy": "tfdist.strategies.horovod",
     "LayerPlacementStrategy": "tfdist.strategies.layer_placement",
     "MultiWorkerMirroredStrategy": "tfdist.strategies.multi_worker",
+    "ParameterServerStrategy": "tfdist.strategies.parameter_server",
     "auto_strategy": "tfdist.strategies.auto",
     "cluster": "tfdist.cluster",
     "placement": "tfdist.placement",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
+from collections.abc import Callable, Iterator
 
 import keras
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as _TFTrainer
 from keras.src.ops.function import make_node_key as _make_node_key
 
-__all__ = ["initial_epoch", "layer_graph", "model_of_step", "set_initial_epoch", "swap_variable_value"]
+__all__ = ["initial_epoch", "layer_graph", "model_hooks", "model_of_step", "set_initial_epoch", "strategy_of",
+           "swap_variable_value", "using_strategy"]
 
 
 def initial_epoch(model) -> int:
@@ -88,3 +93,56 @@ def model_of_step(fn, _depth: int = 0):
             if found is not None:
                 return found
     return None
+
+
+# --- Models created inside a scope -----------------------------------------------------------------------
+# A strategy that changes how `fit` runs (the parameter-server strategy) must meet each model built in
+# its scope. Every Keras model on the TF backend runs TensorFlowTrainer.__init__, which records the
+# strategy in scope; a hook after it sees the model. Installed only while such a scope is open.
+_hook_lock = threading.RLock()
+_model_hooks: dict[Callable, int] = {}
+_stock_trainer_init: list[Callable] = []
+
+
+def _trainer_init_with_hooks(self, *args, **kwargs):
+    _stock_trainer_init[0](self, *args, **kwargs)
+    for on_create in list(_model_hooks):
+        on_create(self)
+
+
+@contextlib.contextmanager
+def model_hooks(on_create: Callable[[keras.Model], None]) -> Iterator[None]:
+    """While open, `on_create(model)` runs after every Keras model's trainer __init__ (re-entrant,
+    counted per hook; the stock class comes back when the last block closes)."""
+    with _hook_lock:
+        if not _model_hooks:
+            _stock_trainer_init.append(_TFTrainer.__dict__["__init__"])
+            _TFTrainer.__init__ = _trainer_init_with_hooks
+        _model_hooks[on_create] = _model_hooks.get(on_create, 0) + 1
+    try:
+        yield
+    finally:
+        with _hook_lock:
+            _model_hooks[on_create] -= 1
+            if not _model_hooks[on_create]:
+                del _model_hooks[on_create]
+            if not _model_hooks:
+                _TFTrainer.__init__ = _stock_trainer_init.pop()
+
+
+def strategy_of(model) -> object | None:
+    """The tf.distribute strategy the model was created under (None: the default one)."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+@contextlib.contextmanager
+def using_strategy(model, strategy) -> Iterator[None]:
+    """Makes Keras run `model`'s fit/evaluate/predict under `strategy` (None: the default strategy)
+    for the duration of the block: Keras reads the strategy a model was created under from
+    `model._distribute_strategy`."""
+    saved = model._distribute_strategy
+    model._distribute_strategy = strategy
+    try:
+        yield
+    finally:
+        model._distribute_strategy = saved

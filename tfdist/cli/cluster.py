@@ -15,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tf-config", action="store_true",
                    help="print only the TF_CONFIG of this SLURM task (for `export TF_CONFIG=$(tfdist cluster "
                         "--tf-config)` inside srun)")
+    p.add_argument("--ps", type=int, default=None, metavar="K",
+                   help="a parameter-server step: task 0 is the chief, tasks 1..K parameter servers, the rest "
+                        "workers (what slurm/ps.sbatch passes as TFDIST_NUM_PS)")
     p.add_argument("--backend", choices=("tf", "horovod"), default=None, help="as for tfdist.auto_strategy")
     p.set_defaults(run=run)
 
@@ -23,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
 
     if args.tf_config:  # no TensorFlow import: this runs before every worker starts
-        print(json.dumps(SlurmCluster.from_environment().tf_config()))
+        print(json.dumps(SlurmCluster.from_environment(num_ps=args.ps).tf_config()))
         return 0
     from tfdist.strategies.auto import decide
 
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"strategy": decision.kind, "source": decision.source, "reason": decision.reason,
               "num_workers": decision.num_workers, "hostname": socket.gethostname()}
     if in_slurm_step():
-        cluster = SlurmCluster.from_environment()
+        cluster = SlurmCluster.from_environment(num_ps=args.ps)
         report["slurm"] = cluster.describe()
         report["addresses"] = {host: _resolve(host) for host in cluster.hosts}
     if os.environ.get("PMIX_RANK"):  # started by srun --mpi=pmix (or another PMIx launcher)

@@ -1,4 +1,5 @@
-"""`tfdist launch`: run a training command as N local worker processes (TF_CONFIG or Horovod/Gloo)."""
+"""`tfdist launch`: run a training command as N local worker processes (TF_CONFIG or Horovod/Gloo), or as a
+parameter-server job (chief, N workers, K parameter servers) with --ps K."""
 
 from __future__ import annotations
 
@@ -6,18 +7,41 @@ import argparse
 import signal
 import sys
 
+ALL_REDUCE_RULES = """\
+Start N local processes of COMMAND with a per-rank environment (TF_CONFIG on free loopback ports for
+--backend tf, a Gloo rendezvous for --backend horovod). Output lines are prefixed with the rank; when
+one worker fails the others are stopped, and the first non-zero exit code is returned.
+"""
+PS_RULES = """\
+parameter-server jobs (--ps K, --backend tf only):
+  starts 1 chief + N workers + K parameter servers, each with TF_CONFIG (jobs chief, worker, ps),
+  TFDIST_ROLE (chief/worker/ps) and TFDIST_RANK (chief 0, workers 1..N, parameter servers N+1..N+K);
+  output lines are prefixed [chief], [worker i], [ps j].
+  - the job's exit code is the chief's; when the chief exits (any code) the workers and parameter
+    servers are stopped (their TF servers never end by themselves): that is not a failure;
+  - a worker that fails does not stop the job (the chief reschedules its steps); it is restarted with
+    the same TF_CONFIG, so it rejoins, at most --max-restarts times per worker (a worker that exits
+    with code 0 is not restarted);
+  - a parameter server that ends is reported and not restarted; the chief decides how the job ends;
+  - --timeout stops everything and returns 124, as for any job.
+"""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "launch", help="run a command as N local workers",
-        description="Start N local processes of COMMAND with a per-rank environment (TF_CONFIG on free loopback "
-                    "ports for --backend tf). Output lines are prefixed with the rank; when one worker fails the "
-                    "others are stopped, and the first non-zero exit code is returned.",
-        epilog="example: tfdist launch -n 2 -- tfdist train --strategy multiworker --epochs 3")
+        "launch", help="run a command as N local workers (or a parameter-server job with --ps)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=ALL_REDUCE_RULES + "\n" + PS_RULES,
+        epilog="examples:\n  tfdist launch -n 2 -- tfdist train --strategy multiworker --epochs 3\n"
+               "  tfdist launch -n 2 --ps 1 -- tfdist train --strategy ps --steps-per-epoch 50")
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--devices-per-worker", type=int, default=1,
                    help="local devices per worker (logical CPUs on a machine without GPUs; default 1)")
     p.add_argument("--backend", default="tf", help="tf (TF_CONFIG, default) or horovod (Gloo rendezvous)")
+    p.add_argument("--ps", type=int, default=None, metavar="K",
+                   help="K >= 1 parameter servers: run a parameter-server job (chief + N workers + K ps; see above)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                   help="with --ps: restart a failed worker at most R times (default 3; 0: never)")
     p.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
@@ -36,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        return launch(cmd, args.num_workers, devices_per_worker=args.devices_per_worker, backend=args.backend,
-                      timeout_s=args.timeout)
+        return launch(cmd, args.num_workers, ps=args.ps, max_restarts=args.max_restarts,
+                      devices_per_worker=args.devices_per_worker, backend=args.backend, timeout_s=args.timeout)
     except KeyboardInterrupt:
         print("[launch] interrupted; workers stopped", file=sys.stderr)
         return 130

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (split across replicas)")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps-per-epoch", type=int, default=None,
+                   help="steps per epoch (--strategy ps, where every worker reads its own endless pipeline; "
+                        "default: one pass over the training set)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
                    help="ZeRO: 1 shards optimizer state, 2 also gradients, across replicas "
                         f"(strategies: {', '.join(ZERO_STRATEGIES)}; default 0)")
@@ -51,6 +54,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.zero_stage and args.strategy not in ZERO_STRATEGIES:
         raise ConfigError(f"--zero-stage {args.zero_stage} is supported by --strategy {' or '.join(ZERO_STRATEGIES)}"
                           f", not {args.strategy!r}. Use one of those, or --zero-stage 0.")
+    if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
+        raise ConfigError(f"--steps-per-epoch must be >= 1, got {args.steps_per_epoch}.")
     if args.save and not args.save.endswith(".keras"):
         raise ConfigError(f"--save must name a .keras file, got {args.save!r}.")
     from tfdist.cli.outputs import check_output_path
@@ -95,8 +100,22 @@ def run(args: argparse.Namespace) -> int:
                                 is_chief=chief)
         callbacks.append(preemption)
     start = time.perf_counter()
-    history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
-                        callbacks=callbacks, verbose=args.verbose if chief else 0)
+    if isinstance(strategy, tfdist.ParameterServerStrategy):
+        # Asynchronous: every worker shuffles and repeats the training set in its own pipeline; the
+        # chief validates on the test arrays.
+        steps = args.steps_per_epoch or len(arrays.x_train) // args.batch_size
+        throughput.samples_per_epoch = steps * args.batch_size
+
+        def dataset_fn(input_context):
+            ds = tf.data.Dataset.from_tensor_slices((arrays.x_train, arrays.y_train))
+            return ds.shuffle(len(arrays.x_train)).repeat().batch(args.batch_size)
+
+        history = model.fit(dataset_fn, validation_data=(arrays.x_test, arrays.y_test), epochs=args.epochs,
+                            steps_per_epoch=steps, callbacks=[c for c in callbacks if c is not data.order],
+                            verbose=args.verbose)
+    else:
+        history = model.fit(data.train, validation_data=data.test, epochs=args.epochs, shuffle=False,
+                            callbacks=callbacks, verbose=args.verbose if chief else 0)
     if args.backup_dir and preemption.preempted:
         print(f"tfdist train{where}: stopped by a signal after epochs {preemption.completed_epochs}; "
               f"{'requeued' if preemption.requeued else 'not requeued'}", flush=True)
@@ -104,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     train_seconds = time.perf_counter() - start
     # Every rank: a fingerprint of its final weights (only the chief writes files; compare these lines).
     print(f"tfdist train{where}: final weights sha256 {weights_digest(model)}", flush=True)
-    test_loss, test_accuracy = model.evaluate(data.test, verbose=0)
+    test_data = (arrays.x_test, arrays.y_test) if isinstance(strategy, tfdist.ParameterServerStrategy) else (data.test,)
+    test_loss, test_accuracy = model.evaluate(*test_data, verbose=0)
     print(f"test accuracy {test_accuracy:.4f}, test loss {test_loss:.4f}, "
           f"{throughput.images_per_sec:.0f} images/s, {train_seconds:.1f} s training", flush=True)
 

@@ -1,4 +1,5 @@
-"""The launcher's backends: per-process environments for TF_CONFIG workers ("tf") and Horovod/Gloo ranks ("horovod")."""
+"""The launcher's backends: per-process environments for TF_CONFIG jobs, all-reduce or parameter-server ("tf"),
+and Horovod/Gloo ranks ("horovod")."""
 
 from __future__ import annotations
 
@@ -7,25 +8,55 @@ import json
 import threading
 from collections.abc import Iterator
 
-from tfdist.cluster.env import LOCAL_DEVICES_ENV
+from tfdist.cluster.env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.cluster.ports import free_ports
 from tfdist.errors import ConfigError
 
-__all__ = ["GlooBackend", "TFConfigBackend", "make_tf_configs"]
+__all__ = ["GlooBackend", "TFConfigBackend", "make_tf_configs", "ps_job_tasks"]
 
 
-def make_tf_configs(n: int, host: str = "localhost") -> list[str]:
-    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port."""
+def ps_job_tasks(n: int, ps: int) -> list[tuple[str, int]]:
+    """The (task type, index) of every process of a parameter-server job, in launch order: the chief, workers
+    0..n-1, then parameter servers 0..ps-1. A task's position in this list is its TFDIST_RANK, which is also
+    the rank `tfdist.cluster.rank()` reads from its TF_CONFIG (chief 0, worker i -> 1 + i, ps j -> 1 + n + j)."""
+    return [("chief", 0), *(("worker", i) for i in range(n)), *(("ps", j) for j in range(ps))]
+
+
+def make_tf_configs(n: int, host: str = "localhost", *, ps: int = 0) -> list[str]:
+    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port.
+
+    With `ps` = K >= 1, a parameter-server cluster instead: 1 chief + n workers + K parameter servers (jobs
+    'chief', 'worker', 'ps'), one TF_CONFIG per task in the order of `ps_job_tasks(n, K)`.
+
+    Example:
+        >>> [json.loads(c)["task"] for c in make_tf_configs(1, ps=1)]
+        [{'type': 'chief', 'index': 0}, {'type': 'worker', 'index': 0}, {'type': 'ps', 'index': 0}]
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"make_tf_configs: n (number of workers) must be a whole number >= 1, got {n!r}.")
-    addresses = [f"{host}:{port}" for port in free_ports(n)]
-    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}}) for i in range(n)]
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+        raise ConfigError(f"make_tf_configs: ps (number of parameter servers) must be a whole number >= 0, "
+                          f"got {ps!r}.")
+    if ps == 0:
+        addresses = [f"{host}:{port}" for port in free_ports(n)]
+        return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
+                for i in range(n)]
+    tasks = ps_job_tasks(n, ps)
+    addresses = iter(f"{host}:{port}" for port in free_ports(len(tasks)))
+    cluster: dict[str, list[str]] = {}
+    for task_type, _ in tasks:
+        cluster.setdefault(task_type, []).append(next(addresses))
+    return [json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+            for task_type, index in tasks]
 
 
 class TFConfigBackend:
     """Launcher backend "tf": TF_CONFIG on free loopback ports, the rank and the local device count.
 
     Each process gets TF_CONFIG, TFDIST_RANK (its index) and TFDIST_LOCAL_DEVICES (the devices it uses).
+    With `ps` = K >= 1 (a parameter-server job) there are 1 + n + K processes, in the order of
+    `ps_job_tasks`: TFDIST_RANK is 0 for the chief, 1..n for the workers, n+1..n+K for the parameter
+    servers, and TFDIST_ROLE says 'chief', 'worker' or 'ps'.
 
     Example:
         >>> with TFConfigBackend().environments(2, devices_per_worker=1) as envs:
@@ -33,14 +64,21 @@ class TFConfigBackend:
     """
 
     name = "tf"
+    supports_ps = True  # the launcher asks before it starts a --ps job
 
     @contextlib.contextmanager
-    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+    def environments(self, n: int, devices_per_worker: int, ps: int = 0) -> Iterator[list[dict[str, str]]]:
         if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
             raise ConfigError(f"TFConfigBackend: devices_per_worker must be a whole number >= 1, "
                               f"got {devices_per_worker!r}.")
-        yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), "TFDIST_RANK": str(i)}
-               for i, cfg in enumerate(make_tf_configs(n))]
+        configs = make_tf_configs(n, ps=ps)
+        if ps == 0:
+            yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), RANK_ENV: str(i)}
+                   for i, cfg in enumerate(configs)]
+            return
+        yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), RANK_ENV: str(rank),
+                ROLE_ENV: task_type}
+               for rank, (cfg, (task_type, _)) in enumerate(zip(configs, ps_job_tasks(n, ps)))]
 
 
 class GlooBackend:

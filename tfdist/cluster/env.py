@@ -8,10 +8,15 @@ from dataclasses import dataclass
 
 from tfdist.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "Launcher", "launched_by", "launcher_of", "local_device_count"]
+__all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "RANK_ENV", "ROLE_ENV", "Launcher", "launched_by", "launcher_of",
+           "local_device_count"]
 
 # `tfdist launch` tells each worker how many local devices (replicas) to use with this variable.
 LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
+# ... its rank (0 = the chief; in a --ps job: chief 0, workers 1..n, parameter servers n+1..n+K) ...
+RANK_ENV = "TFDIST_RANK"
+# ... and, in a --ps job only, its TF task type: 'chief', 'worker' or 'ps'.
+ROLE_ENV = "TFDIST_ROLE"
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
     Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", True,
              "mpirun (MVAPICH)"),
     Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", False, "srun"),
-    Launcher("tfdist launch", "TFDIST_RANK", None, None, False, "tfdist launch"),
+    Launcher("tfdist launch", RANK_ENV, None, None, False, "tfdist launch"),
 )
 
 

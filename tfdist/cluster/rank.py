@@ -19,9 +19,10 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
 
     Order of evidence: a strategy with an int `rank` attribute (e.g. a Horovod strategy); a
     MultiWorkerMirroredStrategy's own task (chief job first, then workers, as TF numbers them);
-    TF_CONFIG; then the launchers' rank variables, in the order of `tfdist.cluster.env.LAUNCHERS`
-    (HOROVOD_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, ..., SLURM_PROCID, TFDIST_RANK).
-    0 when nothing says otherwise.
+    TF_CONFIG (same order; a parameter-server cluster's 'ps' tasks come last: chief 0, worker i is
+    1 + i, ps j is 1 + workers + j, as `tfdist launch --ps` numbers TFDIST_RANK); then the launchers'
+    rank variables, in the order of `tfdist.cluster.env.LAUNCHERS` (HOROVOD_RANK, OMPI_COMM_WORLD_RANK,
+    PMIX_RANK, PMI_RANK, ..., SLURM_PROCID, TFDIST_RANK). 0 when nothing says otherwise.
 
     Example:
         >>> tfdist.cluster.rank()   # under `tfdist launch -n 2`: 0 in one process, 1 in the other
@@ -40,9 +41,9 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
                 chiefs = len(spec.get("chief", []))
                 return 0 if task_type == "chief" else chiefs + int(task_id)
     if env.get("TF_CONFIG", "").strip():
-        from tfdist.cluster.tf_config import parse_tf_config
+        from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 
-        return parse_tf_config(env["TF_CONFIG"]).rank
+        return parse_tf_config(env["TF_CONFIG"], jobs=PARAMETER_SERVER_JOBS).rank
     found = _first_number(env, (launcher.rank_var for launcher in LAUNCHERS))
     return 0 if found is None else found
 
@@ -51,7 +52,8 @@ def world_size(strategy=None, environ: Mapping[str, str] | None = None) -> int:
     """Number of training processes (1 when nothing says otherwise).
 
     Same order of evidence as `rank`: a strategy's int `size`, a MultiWorkerMirroredStrategy's worker
-    count, TF_CONFIG, then the launchers' size variables (`tfdist.cluster.env.LAUNCHERS`).
+    count, TF_CONFIG (its chief and workers; parameter servers do not train, so they are not counted),
+    then the launchers' size variables (`tfdist.cluster.env.LAUNCHERS`).
     """
     env = os.environ if environ is None else environ
     if strategy is not None:
@@ -63,9 +65,9 @@ def world_size(strategy=None, environ: Mapping[str, str] | None = None) -> int:
 
             return strategy_task(strategy)[2]
     if env.get("TF_CONFIG", "").strip():
-        from tfdist.cluster.tf_config import parse_tf_config
+        from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 
-        return parse_tf_config(env["TF_CONFIG"]).num_workers
+        return parse_tf_config(env["TF_CONFIG"], jobs=PARAMETER_SERVER_JOBS).num_workers
     found = _first_number(env, (launcher.size_var for launcher in LAUNCHERS if launcher.size_var))
     return 1 if found is None else found
 

@@ -47,6 +47,10 @@ class SlurmCluster:
     Build it with `SlurmCluster.from_environment()` inside an `srun` step. Tasks are laid out on nodes
     the way SLURM does it: `block` (default: node 0 gets ranks 0..k-1) or `cyclic`.
 
+    With `num_ps` = K >= 1 the step is a parameter-server cluster instead (slurm/ps.sbatch): task 0 is
+    the chief, tasks 1..K the parameter servers (job 'ps'), the remaining tasks the workers (worker i is
+    task K + 1 + i); `from_environment(num_ps=K)` checks that at least one worker is left.
+
     Example:
         >>> env = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "3",
         ...        "SLURM_STEP_NODELIST": "n[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2,1"}
@@ -66,12 +70,25 @@ class SlurmCluster:
     rank: int
     local_devices: tuple[str, ...]  # TF device names this task should use
     cpus_per_task: int | None = None
+    num_ps: int = 0  # parameter servers (tasks 1..num_ps); 0: every task is a worker
+
+    def __post_init__(self) -> None:
+        if self.num_ps:
+            _check_ps_layout(self.num_ps, self.num_tasks)
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "SlurmCluster":
-        """Reads the step environment (default: os.environ). Raises ConfigError on anything unusable."""
+    def from_environment(cls, environ: Mapping[str, str] | None = None, *,
+                         num_ps: int | None = None) -> "SlurmCluster":
+        """Reads the step environment (default: os.environ). Raises ConfigError on anything unusable.
+
+        `num_ps` = K >= 1 makes it a parameter-server cluster (chief, K parameter servers, workers; see the
+        class docstring); None (the default) an all-reduce cluster of workers.
+        """
         env = os.environ if environ is None else environ
+        if num_ps is not None and (isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1):
+            raise ConfigError(f"the number of parameter servers (--ps, TFDIST_NUM_PS in slurm/ps.sbatch) must be "
+                              f"a whole number >= 1, got {num_ps!r}.")
         missing = [name for name in STEP_VARIABLES if not env.get(name)]
         if missing:
             seen = sorted(k for k in env if k.startswith("SLURM_"))
@@ -106,7 +123,7 @@ class SlurmCluster:
         cpus = _int(env, "SLURM_CPUS_PER_TASK", minimum=1) if env.get("SLURM_CPUS_PER_TASK") else None
         return cls(job_id=env["SLURM_JOB_ID"], step_id=env.get("SLURM_STEP_ID"), hosts=hosts,
                    tasks_per_node=per_node, task_nodes=task_nodes, ports=ports, rank=rank,
-                   local_devices=tuple(_local_devices(env)), cpus_per_task=cpus)
+                   local_devices=tuple(_local_devices(env)), cpus_per_task=cpus, num_ps=num_ps or 0)
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -120,20 +137,38 @@ class SlurmCluster:
 
     @property
     def is_chief(self) -> bool:
-        """Rank 0 writes checkpoints and requeues the job."""
+        """Rank 0 writes checkpoints and requeues the job (in a parameter-server step: the chief task)."""
         return self.rank == 0
+
+    @property
+    def task(self) -> tuple[str, int]:
+        """This task's TF job and index: ('worker', rank), or with parameter servers ('chief', 0),
+        ('ps', rank - 1) or ('worker', rank - 1 - num_ps)."""
+        if not self.num_ps:
+            return "worker", self.rank
+        if self.rank == 0:
+            return "chief", 0
+        if self.rank <= self.num_ps:
+            return "ps", self.rank - 1
+        return "worker", self.rank - 1 - self.num_ps
 
     def task_addresses(self) -> list[str]:
         """`host:port` of every rank, in rank order."""
         return [f"{self.hosts[node]}:{port}" for node, port in zip(self.task_nodes, self.ports)]
 
     def cluster_spec(self) -> dict[str, list[str]]:
-        """The TF cluster spec: one job, 'worker', with a task per rank (worker 0 is the chief)."""
-        return {"worker": self.task_addresses()}
+        """The TF cluster spec: one job, 'worker', with a task per rank (worker 0 is the chief); with
+        parameter servers, jobs 'chief' (rank 0), 'worker' (ranks num_ps+1..) and 'ps' (ranks 1..num_ps)."""
+        addresses = self.task_addresses()
+        if not self.num_ps:
+            return {"worker": addresses}
+        return {"chief": addresses[:1], "worker": addresses[1 + self.num_ps:], "ps": addresses[1:1 + self.num_ps]}
 
     def tf_config(self) -> dict:
-        """The TF_CONFIG dict of this task: {'cluster': ..., 'task': {'type': 'worker', 'index': rank}}."""
-        return {"cluster": self.cluster_spec(), "task": {"type": "worker", "index": self.rank}}
+        """The TF_CONFIG dict of this task: {'cluster': ..., 'task': {'type': 'worker', 'index': rank}}
+        (with parameter servers the type and index of `task`)."""
+        task_type, index = self.task
+        return {"cluster": self.cluster_spec(), "task": {"type": task_type, "index": index}}
 
     def export_tf_config(self, environ: dict | None = None) -> str:
         """Writes TF_CONFIG into `environ` (default os.environ) and returns it."""
@@ -159,6 +194,7 @@ class SlurmCluster:
         """A JSON-able summary (what each task of the tests reports)."""
         return {"rank": self.rank, "job_id": self.job_id, "step_id": self.step_id, "hosts": list(self.hosts),
                 "tasks_per_node": list(self.tasks_per_node), "cluster": self.cluster_spec(),
+                "task": dict(zip(("type", "index"), self.task)),
                 "rank_info": self.rank_info().__dict__, "local_devices": list(self.local_devices)}
 
 
@@ -232,6 +268,18 @@ def step_ports(environ: Mapping[str, str], local_ranks: tuple[int, ...], tasks_o
 
 
 # --- helpers -------------------------------------------------------------------------------------
+def _check_ps_layout(num_ps: int, num_tasks: int) -> None:
+    # A parameter-server cluster without a worker would start and then wait forever for one.
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+        raise ConfigError(f"SlurmCluster: num_ps must be a whole number >= 0, got {num_ps!r}.")
+    if num_tasks < num_ps + 2:
+        raise ConfigError(
+            f"a parameter-server step needs 1 chief + {num_ps} parameter server(s) (--ps / TFDIST_NUM_PS="
+            f"{num_ps}) + at least 1 worker = {num_ps + 2} tasks, but this step has {num_tasks} "
+            f"(SLURM_STEP_NUM_TASKS). Ask for more tasks (sbatch --ntasks={num_ps + 2} or more) or fewer "
+            "parameter servers.")
+
+
 def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
     try:
         value = int(env[name])

@@ -9,18 +9,21 @@ from dataclasses import dataclass
 
 from tfdist.errors import ConfigError
 
-__all__ = ["ClusterConfig", "parse_tf_config", "tf_config_from_env"]
+__all__ = ["ClusterConfig", "MULTI_WORKER_JOBS", "PARAMETER_SERVER_JOBS", "parse_tf_config", "tf_config_from_env"]
 
 # Jobs MultiWorkerMirroredStrategy can run. 'ps' belongs to ParameterServerStrategy; 'evaluator' runs
 # outside the collective group (side-car evaluation), which this strategy does not support.
-_JOBS = ("chief", "worker")
+MULTI_WORKER_JOBS = ("chief", "worker")
+# Jobs of a parameter-server cluster (`tfdist launch --ps K`, slurm/ps.sbatch), in rank order.
+PARAMETER_SERVER_JOBS = ("chief", "worker", "ps")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     """A checked TF_CONFIG: the cluster (job -> addresses) and this process's task.
 
-    `rank` numbers tasks chief first, then workers, which is also the order of TF's collective group.
+    `rank` numbers tasks chief first, then workers, which is also the order of TF's collective group;
+    parameter servers (if the config was parsed with jobs=PARAMETER_SERVER_JOBS) come after the workers.
     """
 
     cluster: dict[str, list[str]]
@@ -29,13 +32,14 @@ class ClusterConfig:
 
     @property
     def num_workers(self) -> int:
-        return sum(len(self.cluster.get(job, [])) for job in _JOBS)
+        return sum(len(self.cluster.get(job, [])) for job in MULTI_WORKER_JOBS)
 
     @property
     def rank(self) -> int:
         if self.task_type == "chief":
             return 0
-        return len(self.cluster.get("chief", [])) + self.task_index
+        before = ("chief",) if self.task_type == "worker" else ("chief", "worker")
+        return sum(len(self.cluster.get(job, [])) for job in before) + self.task_index
 
     @property
     def is_chief(self) -> bool:
@@ -53,18 +57,19 @@ class ClusterConfig:
 
     def peers(self) -> list[tuple[str, int, str]]:
         """Every other task as (task_type, index, address)."""
-        return [(job, i, addr) for job in _JOBS for i, addr in enumerate(self.cluster.get(job, []))
-                if (job, i) != (self.task_type, self.task_index)]
+        return [(job, i, addr) for job in PARAMETER_SERVER_JOBS
+                for i, addr in enumerate(self.cluster.get(job, [])) if (job, i) != (self.task_type, self.task_index)]
 
     def to_json(self) -> str:
         return json.dumps({"cluster": self.cluster, "task": {"type": self.task_type, "index": self.task_index}})
 
 
-def parse_tf_config(value: str | Mapping) -> ClusterConfig:
+def parse_tf_config(value: str | Mapping, *, jobs: tuple[str, ...] = MULTI_WORKER_JOBS) -> ClusterConfig:
     """Checks a TF_CONFIG (JSON text or a dict) and returns it as a ClusterConfig.
 
-    Raises ConfigError for text that is not JSON, a missing 'cluster' or 'task', an unknown job, an
-    index out of range, a malformed or duplicate address.
+    Raises ConfigError for text that is not JSON, a missing 'cluster' or 'task', a job not in `jobs`
+    (default: MultiWorkerMirroredStrategy's; PARAMETER_SERVER_JOBS also accepts 'ps'), an index out of
+    range, a malformed or duplicate address.
 
     Example:
         >>> cfg = parse_tf_config('{"cluster": {"worker": ["localhost:2222", "localhost:2223"]},'
@@ -87,12 +92,13 @@ def parse_tf_config(value: str | Mapping) -> ClusterConfig:
     if not isinstance(task, Mapping) or "type" not in task or "index" not in task:
         raise ConfigError(f"TF_CONFIG has no 'task' with 'type' and 'index' (which task this process is), "
                           f"got {task!r}. Example: \"task\": {{\"type\": \"worker\", \"index\": 0}}.")
-    jobs: dict[str, list[str]] = {}
+    found: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
     for job, addresses in cluster.items():
-        if job not in _JOBS:
-            raise ConfigError(f"TF_CONFIG cluster has job {job!r}; MultiWorkerMirroredStrategy runs only "
-                              f"{list(_JOBS)} tasks (drop {job!r}, or use another strategy for it).")
+        if job not in jobs:
+            who = "MultiWorkerMirroredStrategy runs only" if tuple(jobs) == MULTI_WORKER_JOBS else "expected only"
+            raise ConfigError(f"TF_CONFIG cluster has job {job!r}; {who} {list(jobs)} tasks (drop {job!r}, or "
+                              "use another strategy for it).")
         if isinstance(addresses, str) or not isinstance(addresses, list) or not addresses:
             raise ConfigError(f"TF_CONFIG cluster[{job!r}] must be a non-empty list of 'host:port', got {addresses!r}.")
         for i, addr in enumerate(addresses):
@@ -101,18 +107,18 @@ def parse_tf_config(value: str | Mapping) -> ClusterConfig:
                 raise ConfigError(f"TF_CONFIG lists address {addr!r} twice ({seen[addr]} and {job}[{i}]); "
                                   "every task needs its own host:port.")
             seen[addr] = f"{job}[{i}]"
-        jobs[job] = list(addresses)
-    if len(jobs.get("chief", [])) > 1:
-        raise ConfigError(f"TF_CONFIG has {len(jobs['chief'])} chief tasks; there can be at most one.")
+        found[job] = list(addresses)
+    if len(found.get("chief", [])) > 1:
+        raise ConfigError(f"TF_CONFIG has {len(found['chief'])} chief tasks; there can be at most one.")
     task_type, index = task["type"], task["index"]
-    if task_type not in jobs:
-        raise ConfigError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster {sorted(jobs)}.")
+    if task_type not in found:
+        raise ConfigError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster {sorted(found)}.")
     if isinstance(index, bool) or not isinstance(index, int):
         raise ConfigError(f"TF_CONFIG task index must be an integer, got {index!r}.")
-    if not 0 <= index < len(jobs[task_type]):
+    if not 0 <= index < len(found[task_type]):
         raise ConfigError(f"TF_CONFIG task index {index} is out of range: job {task_type!r} has "
-                          f"{len(jobs[task_type])} task(s), so the index must be 0..{len(jobs[task_type]) - 1}.")
-    return ClusterConfig(jobs, task_type, index)
+                          f"{len(found[task_type])} task(s), so the index must be 0..{len(found[task_type]) - 1}.")
+    return ClusterConfig(found, task_type, index)
 
 
 def _check_address(addr: object, where: str) -> None:

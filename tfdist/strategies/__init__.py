@@ -5,6 +5,7 @@ from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.horovod import HorovodStrategy  # Horovod itself is imported only when one is built
 from tfdist.strategies.layer_placement import LayerPlacementStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+from tfdist.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["HorovodStrategy", "LayerPlacementStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-           "make_strategy", "register", "strategy_names"]
+           "ParameterServerStrategy", "make_strategy", "register", "strategy_names"]

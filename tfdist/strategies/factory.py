@@ -86,3 +86,15 @@ def _placement(replicas: int | None = None, **options) -> tf.distribute.Strategy
     from tfdist.strategies.layer_placement import LayerPlacementStrategy
 
     return LayerPlacementStrategy(devices=local_replica_devices(replicas), **options)
+
+
+@register("ps")
+def _parameter_server(replicas: int | None = None, **options) -> tf.distribute.Strategy:
+    # Asynchronous parameter-server training from TF_CONFIG (`tfdist launch -n N --ps K`): in ps and
+    # worker processes this serves until the launcher stops it; `replicas` does not apply.
+    from tfdist.strategies.parameter_server import ParameterServerStrategy
+
+    if replicas not in (None, 1):
+        raise ConfigError(f"strategy 'ps' runs one replica per worker process; got replicas={replicas}. "
+                          "Add workers instead: tfdist launch -n N --ps K.")
+    return ParameterServerStrategy(**options)

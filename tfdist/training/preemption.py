@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import keras
+import tensorflow as tf
 
 from tfdist._compat import keras_model
 from tfdist.cluster.rank import is_chief as chief_of, world_size
@@ -136,7 +137,9 @@ class Preemption(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         if self._chief is None:
             self._chief = chief_of(strategy, self._env)
-        if self._agree is None and world_size(strategy, self._env) > 1:
+        # Parameter-server training: only the chief runs the loop, so its own flag is the decision.
+        coordinated = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+        if self._agree is None and world_size(strategy, self._env) > 1 and not coordinated:
             self._agree = collective_agreement(strategy)
         self.backup.on_train_begin(logs)
         start = keras_model.initial_epoch(self.model)

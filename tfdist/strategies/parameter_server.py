@@ -1,0 +1,166 @@
+"""tfdist.ParameterServerStrategy: asynchronous training with parameter servers, for Keras 3 `fit`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import tensorflow as tf
+
+from tfdist._compat import keras_model
+from tfdist._compat import parameter_server as ps_compat
+from tfdist.cluster.ports import port_open
+from tfdist.errors import ConfigError
+from tfdist.training import coordinated
+
+__all__ = ["ParameterServerStrategy"]
+
+_UNSUPPORTED = {
+    "zero_stage": "the variables and their optimizer state already live on the parameter servers (sharded over "
+                  "them with variable_partitioner), and updates are not all-reduced",
+    "offload": "optimizer state lives on the parameter servers' host memory already",
+    "stages": "layer placement is a different strategy (tfdist.LayerPlacementStrategy)",
+    "devices": "each worker uses its own devices; there is nothing to place by hand",
+}
+
+
+class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+    """Asynchronous parameter-server training that works with Keras 3 `compile`/`fit`/`evaluate`/callbacks.
+
+    Variables live on the parameter servers (large ones split over them by `variable_partitioner`);
+    the chief coordinates: it schedules each training step on whichever worker is free, and the worker
+    reads the current variables, computes the gradient of its own batch and applies it on the servers
+    without waiting for the others. A slow worker no longer holds everyone back, and a worker that dies
+    only loses its step: the coordinator runs it elsewhere, and the worker, restarted, rejoins.
+
+    Staleness: a worker's gradient is computed from variables read at the start of its step, and
+    others may have updated them since (by at most the number of steps in flight: about one per
+    worker). With W workers this behaves like SGD with delayed gradients; a smaller learning rate
+    than synchronous training with the same global batch is the usual remedy.
+
+    The same script runs in every process: TF_CONFIG says which job it is. In a "ps" or "worker"
+    process the constructor starts TensorFlow's server and never returns (the launcher stops it when
+    the chief is done); in the "chief" process it connects to the cluster and training goes on.
+
+    Input comes from a dataset function that each worker runs for itself, and `steps_per_epoch` says
+    where an epoch ends (each worker's pipeline should `.repeat()`):
+
+        >>> # train.py, run with: tfdist launch -n 2 --ps 1 -- python train.py
+        >>> import keras, tfdist
+        >>> strategy = tfdist.ParameterServerStrategy()          # ps/workers serve here, forever
+        >>> def dataset_fn(input_context):
+        ...     return tfdist.data.mnist_dataset(batch_size=64).shuffle(5000).repeat()
+        >>> with strategy.scope():
+        ...     model = tfdist.models.cnn()
+        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        >>> model.fit(dataset_fn, epochs=3, steps_per_epoch=100)
+        >>> model.evaluate(x_test, y_test)                        # on the chief
+
+    Args:
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` with "chief", "worker" and
+            "ps" jobs; None reads TF_CONFIG.
+        variable_partitioner: how variables are split over the servers: "auto" (default: variables of
+            at least `min_shard_bytes` per shard are split along their first axis over up to all servers;
+            smaller ones are placed whole, round-robin), None (never split), or a
+            `tf.distribute.experimental.partitioners.Partitioner`.
+        min_shard_bytes: with "auto", the smallest shard worth splitting into.
+        connect_timeout_s: seconds the chief waits for every ps and worker to listen, before a clear
+            error naming the silent ones (no hang).
+        max_in_flight: steps scheduled ahead of the finished ones (default: 2 per worker).
+
+    Not supported, with why: `zero_stage` and `offload` (the optimizer state already lives on the
+    servers), placement options (`stages`, `devices`).
+    """
+
+    def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None, *,
+                 variable_partitioner="auto", min_shard_bytes: int = 256 << 10, connect_timeout_s: float = 120.0,
+                 max_in_flight: int | None = None, **unsupported):
+        for name in unsupported:
+            if name in _UNSUPPORTED:
+                raise ConfigError(f"ParameterServerStrategy does not take {name}=: {_UNSUPPORTED[name]}.")
+            raise TypeError(f"ParameterServerStrategy() got an unexpected keyword argument {name!r}")
+        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        cluster = _checked_cluster(resolver)
+        if resolver.task_type in ("ps", "worker"):
+            serve(resolver)  # never returns
+        if resolver.task_type != "chief":
+            raise ConfigError(f"ParameterServerStrategy: this process is task {resolver.task_type!r}; only 'chief', "
+                              "'worker' and 'ps' tasks take part in parameter-server training.")
+        _wait_for_tasks(cluster, connect_timeout_s)
+        num_ps = len(cluster["ps"])
+        ps_compat.init_ps_strategy(self, resolver, _partitioner(variable_partitioner, min_shard_bytes, num_ps))
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
+        self.num_workers, self.num_ps = len(cluster["worker"]), num_ps
+        self._max_in_flight = max_in_flight
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[tf.distribute.Strategy]:
+        """The strategy's scope; every Keras model created in it gets fit/evaluate/predict that schedule
+        their steps on the workers (tfdist.training.coordinated)."""
+        with super().scope() as strategy, keras_model.model_hooks(self._attach):
+            yield strategy
+
+    def _attach(self, model) -> None:
+        if keras_model.strategy_of(model) is self:
+            coordinated.attach(model, self, max_in_flight=self._max_in_flight)
+
+
+def serve(resolver) -> None:
+    """Runs this process's TensorFlow server (a parameter server or a worker) until the process is stopped."""
+    spec = resolver.cluster_spec()
+    address = spec.task_address(resolver.task_type, resolver.task_id)
+    print(f"[tfdist] {resolver.task_type} {resolver.task_id} serving at {address}; stopped by the launcher when "
+          "the chief finishes", file=sys.stderr, flush=True)
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    server = tf.distribute.Server(spec, job_name=resolver.task_type, task_index=resolver.task_id,
+                                  protocol=resolver.rpc_layer or "grpc", start=True)
+    server.join()
+    sys.exit(0)
+
+
+def _checked_cluster(resolver) -> dict[str, list[str]]:
+    spec = resolver.cluster_spec().as_dict()
+    if not spec:
+        raise ConfigError("ParameterServerStrategy needs a cluster with 'chief', 'worker' and 'ps' jobs, and found "
+                          "none (TF_CONFIG is unset?). Start the job with: tfdist launch -n 2 --ps 1 -- python "
+                          "train.py  (or set TF_CONFIG on every process).")
+    missing = [job for job in ("chief", "worker", "ps") if not spec.get(job)]
+    if missing:
+        raise ConfigError(f"ParameterServerStrategy: the cluster {json.dumps(spec)} has no {' and no '.join(missing)} "
+                          f"job; it needs one 'chief' (the coordinator), at least one 'worker' and at least one "
+                          f"'ps'. Example: tfdist launch -n 2 --ps 1 -- python train.py.")
+    if len(spec["chief"]) != 1:
+        raise ConfigError(f"ParameterServerStrategy: the cluster has {len(spec['chief'])} chief tasks; it needs "
+                          "exactly one (the coordinator).")
+    return {job: list(addrs) if isinstance(addrs, list) else list(addrs.values()) for job, addrs in spec.items()}
+
+
+def _wait_for_tasks(cluster: dict[str, list[str]], timeout_s: float) -> None:
+    """Waits until every ps and worker listens; ConfigError naming the silent ones after `timeout_s`."""
+    pending = [(job, i, addr) for job in ("ps", "worker") for i, addr in enumerate(cluster[job])]
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = [t for t in pending if not port_open(t[2])]
+        if pending:
+            time.sleep(0.2)
+    if pending:
+        names = ", ".join(f"{job} {i} at {addr}" for job, i, addr in pending)
+        raise ConfigError(f"ParameterServerStrategy: not answering after connect_timeout_s={timeout_s:g} s: {names}. "
+                          "Start every task listed in TF_CONFIG (tfdist launch -n N --ps K does), check the "
+                          "addresses, or raise connect_timeout_s.")
+
+
+def _partitioner(value, min_shard_bytes: int, num_ps: int):
+    if value == "auto":
+        if num_ps < 2:
+            return None
+        return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_shard_bytes,
+                                                                          max_shards=num_ps)
+    if value is None or isinstance(value, tf.distribute.experimental.partitioners.Partitioner):
+        return value
+    raise ConfigError(f"ParameterServerStrategy: variable_partitioner must be 'auto', None or a "
+                      f"tf.distribute.experimental.partitioners.Partitioner, got {value!r}.")
