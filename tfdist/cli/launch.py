@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=None, metavar="R",
                    help="with --ps: restart a failed worker at most R times (default 3; 0: never)")
     p.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
+    p.add_argument("--network", choices=("private", "host"), default="private",
+                   help="private (default): --backend tf jobs run in a network namespace with loopback only, so "
+                        "their unauthenticated TF servers are reachable from the job alone; host: this machine's "
+                        "network (see docs/security.md)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
 
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        return launch(cmd, args.num_workers, ps=args.ps, max_restarts=args.max_restarts,
+        return launch(cmd, args.num_workers, ps=args.ps, max_restarts=args.max_restarts, network=args.network,
                       devices_per_worker=args.devices_per_worker, backend=args.backend, timeout_s=args.timeout)
     except KeyboardInterrupt:
         print("[launch] interrupted; workers stopped", file=sys.stderr)

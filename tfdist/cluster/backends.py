@@ -65,6 +65,8 @@ class TFConfigBackend:
 
     name = "tf"
     supports_ps = True  # the launcher asks before it starts a --ps job
+    # TF's gRPC servers bind every interface: the launcher runs such jobs in a private network namespace.
+    listens_on_all_interfaces = True
 
     @contextlib.contextmanager
     def environments(self, n: int, devices_per_worker: int, ps: int = 0) -> Iterator[list[dict[str, str]]]:

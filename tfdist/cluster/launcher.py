@@ -3,6 +3,7 @@ with --ps K, a parameter-server job (chief, workers, parameter servers) supervis
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -10,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ContextManager, Protocol, TextIO
 
 from tfdist.cluster.backends import ps_job_tasks
 from tfdist.cluster.processes import describe_exit, exit_code, start_process, stop_processes
+from tfdist.cluster.private_net import private_network
 from tfdist.cluster.ps_supervisor import supervise_ps, task_label
 from tfdist.errors import ConfigError
 
@@ -37,6 +39,10 @@ BACKENDS: dict[str, str] = {
     "tf": "tfdist.cluster.backends:TFConfigBackend",
     "horovod": "tfdist.cluster.backends:GlooBackend",
 }
+
+# --network: "private" (a network namespace with loopback only, for backends whose servers listen on
+# every interface) or "host".
+NETWORKS = ("private", "host")
 
 # Restarts per worker of a --ps job, unless --max-restarts says otherwise.
 DEFAULT_MAX_RESTARTS = 3
@@ -67,6 +73,7 @@ def launch(
     out: TextIO | None = None,
     on_start: Callable[[list[subprocess.Popen]], None] | None = None,
     timeout_s: float | None = None,
+    network: str = "private",
 ) -> int:
     """Runs `command` as `n` local processes and returns the first non-zero exit code (0 if all succeed).
 
@@ -97,16 +104,18 @@ def launch(
     if not command:
         raise ConfigError("no command to launch; usage: tfdist launch -n 2 -- python train.py")
     _check_program(command[0])
+    if network not in NETWORKS:
+        raise ConfigError(f"--network must be one of {list(NETWORKS)}, got {network!r}.")
     backend = load_backend(backend) if isinstance(backend, str) else backend
     say = _line_writer(out or sys.stdout)
     labels = [str(r) for r in range(n)] if ps is None else [task_label(*t) for t in ps_job_tasks(n, ps)]
-    with _environments(backend, n, devices_per_worker, ps) as envs:
+    with _environments(backend, n, devices_per_worker, ps) as envs, _network(backend, network, say) as prefix:
         procs: list[subprocess.Popen] = []
         readers: list[threading.Thread] = []
 
         def start(i: int) -> subprocess.Popen:
             full_env = {**os.environ, **(env or {}), **envs[i], "PYTHONUNBUFFERED": "1"}
-            proc, reader = start_process(command, full_env, f"[{labels[i]}] ", say)
+            proc, reader = start_process([*prefix, *command], full_env, f"[{labels[i]}] ", say)
             readers.append(reader)
             return proc
 
@@ -128,6 +137,23 @@ def launch(
             for t in readers:
                 t.join(timeout=5)
     return code
+
+
+@contextlib.contextmanager
+def _network(backend: LaunchBackend, network: str, say: Callable[[str], None]) -> Iterator[list[str]]:
+    """The command prefix that puts a process in the job's private network (tfdist.cluster.private_net), or
+    [] on the host network. Backends whose servers bind loopback themselves (Horovod's Gloo rendezvous
+    and pairs) stay on the host network: their rendezvous runs in this process."""
+    if network == "host" or not getattr(backend, "listens_on_all_interfaces", False):
+        yield []
+        return
+    with private_network() as (net, reason):
+        if net is None:
+            say(f"[launch] warning: no private network for this job ({reason}); its TensorFlow servers listen on "
+                "every interface, unauthenticated — see docs/security.md. Pass --network host to silence this.")
+            yield []
+        else:
+            yield net.command_prefix
 
 
 def _line_writer(out: TextIO) -> Callable[[str], None]:
