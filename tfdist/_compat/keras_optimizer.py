@@ -32,6 +32,27 @@ def _build_with_hooks(self, variables):
     return _stock["build"](self, variables)
 
 
+def _apply_with_hooks(self, grads, trainable_variables=None):
+    # Custom training loops (TF's tutorial pattern) build the optimizer lazily, in its first
+    # apply_gradients inside a tf.function. Its variables then come from the function's graph, and TF's
+    # lifted initialisers under a MirroredStrategy fail at run time ("You must feed a value for placeholder
+    # tensor 'cond/...'", keras#19246). Build it eagerly, in the strategy it was created under, instead.
+    if not self.built and trainable_variables is not None and tf.inside_function():
+        variables = list(trainable_variables)
+
+        def build_eagerly(*_):
+            strategy = optimizer_strategy(self)
+            with tf.init_scope(), strategy.scope() if strategy is not None else contextlib.nullcontext():
+                self.build(variables)
+
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and tf.distribute.has_strategy():
+            replica.merge_call(build_eagerly)  # once, in cross-replica context, while the replicas wait
+        else:
+            build_eagerly()
+    return _stock["apply"](self, grads, trainable_variables)
+
+
 def _init_with_hooks(self, *args, **kwargs):
     _stock["__init__"](self, *args, **kwargs)
     for _, on_create in list(_open):
@@ -42,7 +63,8 @@ def _init_with_hooks(self, *args, **kwargs):
 @contextlib.contextmanager
 def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> Iterator[None]:
     """While open, `on_build(optimizer, variables)` runs at the start of every Keras optimizer's base
-    build(), and `on_create(optimizer)` after every optimizer's base __init__().
+    build(), and `on_create(optimizer)` after every optimizer's base __init__(); an optimizer first applied
+    inside a tf.function is built eagerly first (see `_apply_with_hooks`).
 
     Re-entrant and thread-safe (counted per pair of hooks). Keras classes are modified only while at
     least one such block is open; each hook runs once per call however many blocks asked for it.
@@ -51,8 +73,9 @@ def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> It
     key = (on_build, on_create)
     with _lock:
         if not _open:
-            _stock.update(build=base.__dict__["build"], __init__=base.__dict__["__init__"])
-            base.build, base.__init__ = _build_with_hooks, _init_with_hooks
+            _stock.update(build=base.__dict__["build"], __init__=base.__dict__["__init__"],
+                          apply=base.__dict__["apply"])
+            base.build, base.__init__, base.apply = _build_with_hooks, _init_with_hooks, _apply_with_hooks
         _open[key] = _open.get(key, 0) + 1
     try:
         yield
@@ -62,7 +85,7 @@ def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> It
             if not _open[key]:
                 del _open[key]
             if not _open:
-                base.build, base.__init__ = _stock.pop("build"), _stock.pop("__init__")
+                base.build, base.__init__, base.apply = _stock.pop("build"), _stock.pop("__init__"), _stock.pop("apply")
 
 
 def hook_instance_build(optimizer, on_build: Callable) -> None:
