@@ -19,7 +19,8 @@ kind, build_first = sys.argv[1], sys.argv[2] == "1"
 devices = ["/cpu:0", "/cpu:1"]
 strategy = {"stock": lambda: tf.distribute.MirroredStrategy(devices),
             "tfdist": lambda: tfdist.MirroredStrategy(devices=devices),
-            "zero1": lambda: tfdist.MirroredStrategy(devices=devices, zero_stage=1)}[kind]()
+            "zero1": lambda: tfdist.MirroredStrategy(devices=devices, zero_stage=1),
+            "placement": lambda: tfdist.LayerPlacementStrategy(devices)}[kind]()
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(128, 6)).astype("float32"), rng.integers(0, 3, size=128).astype("int32")
@@ -43,7 +44,8 @@ def train_step(inputs):
 
 losses = [float(train_step(batch)) for _ in range(3) for batch in dataset]
 print("RESULT", json.dumps({"losses": losses, "weights": [w.tolist() for w in model.get_weights()],
-                            "iterations": int(optimizer.iterations.numpy())}))
+                            "iterations": int(optimizer.iterations.numpy()),
+                            "devices": {v.path: v.value.device[-5:] for v in model.variables + optimizer.variables}}))
 """
 
 
@@ -52,6 +54,7 @@ def _run(python, kind: str, build_first: bool) -> dict:
     return json.loads(out.split("RESULT ", 1)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tfdist", "zero1"])
 def test_an_optimizer_built_lazily_inside_the_step_trains_like_stock_mirrored(python, kind):
     # Stock MirroredStrategy needs the optimizer built first (lazily it fails: "You must feed a value for
@@ -62,3 +65,21 @@ def test_an_optimizer_built_lazily_inside_the_step_trains_like_stock_mirrored(py
     assert lazy["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     for a, b in zip(lazy["weights"], reference["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build_first", [False, True], ids=["lazy", "built-first"])
+def test_layer_placement_places_a_custom_loops_global_model_and_its_optimizer(python, build_first):
+    # The tutorial keeps `model` global: the strategy finds it on the first step and places it. An optimizer
+    # built before that step follows (its slots move next to their variables, its index is rebuilt) instead
+    # of Keras' "Unknown variable ... can only be called for the variables it was originally built with".
+    reference = _run(python, "stock", build_first=True)
+    placed = _run(python, "placement", build_first=build_first)
+    assert placed["iterations"] == 12
+    assert placed["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for a, b in zip(placed["weights"], reference["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    devices = placed["devices"]
+    assert devices["sequential/dense/kernel"] == "CPU:0" and devices["sequential/dense_1/kernel"] == "CPU:1"
+    slots = {path: device for path, device in devices.items() if path.startswith("adam/sequential_dense_1_")}
+    assert len(slots) == 4 and set(slots.values()) == {"CPU:1"}, devices

@@ -64,6 +64,16 @@ def swap_variable_value(keras_variable, new_tf_variable) -> None:
     keras_variable._value = new_tf_variable
 
 
+def _cell_values(fn) -> list:
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # empty cell
+            continue
+    return values
+
+
 def model_of_step(fn, _depth: int = 0):
     """The Keras model whose step `fn` is, or None.
 
@@ -81,11 +91,12 @@ def model_of_step(fn, _depth: int = 0):
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, keras.Model):
         return owner
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # empty cell
-            continue
+    # Closure cells, then the module-level names the function reads (TF's custom-loop tutorial keeps
+    # `model` global).
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    module = getattr(fn, "__globals__", {})
+    found_globals = [module[n] for n in names if isinstance(module.get(n), keras.Model)]
+    for value in [*_cell_values(fn), *found_globals]:
         if isinstance(value, keras.Model):
             return value
         if callable(value) and not isinstance(value, type):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
@@ -13,13 +15,15 @@ from tfdist.placement.plan import StagePlan
 __all__ = ["move_model_variables"]
 
 
-def move_model_variables(strategy: tf.distribute.Strategy, model, graph: list[tuple], plan: StagePlan) -> None:
+def move_model_variables(strategy: tf.distribute.Strategy, model, graph: list[tuple], plan: StagePlan,
+                         optimizers: Iterable = ()) -> None:
     """Recreates every variable of `model` on its layer's stage device in each pipeline replica.
 
     Placing a variable is only possible when it is created, so each one is created again under
     `strategy.extended.creating_on(devices)` (a `tfdist._compat.distribute.PlacementExtended`) and
-    swapped in behind its Keras variable. Optimizer slots already built follow their variable, and
-    the optimizer's variable index is rebuilt. Call it inside `strategy.scope()`.
+    swapped in behind its Keras variable. Slots of the model's optimizer, and of `optimizers` (e.g. one a
+    custom training loop built before its first step), follow their variable, and each optimizer's
+    variable index is rebuilt. Call it inside `strategy.scope()`.
     """
     moved: dict[int, list[str]] = {}  # id(old tf variable) -> devices it moved to
     done: set[int] = set()
@@ -29,8 +33,10 @@ def move_model_variables(strategy: tf.distribute.Strategy, model, graph: list[tu
             if id(kv) not in done:
                 done.add(id(kv))
                 _move(strategy, kv, devices, moved)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
+    candidates = {id(o): o for o in (getattr(model, "optimizer", None), *optimizers) if o is not None}
+    for optimizer in candidates.values():
+        if not getattr(optimizer, "built", False):
+            continue
         for kv in optimizer.variables:
             reference = strategy.extended.slot_reference(kv.value)
             if reference is not None and id(reference) in moved:

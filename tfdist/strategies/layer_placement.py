@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -10,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist._compat import keras_model, tf_runtime
+from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
 from tfdist.placement.layer_call import colocate_with_inputs, place_layer_call
@@ -90,6 +91,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         self._plans: dict[int, tuple[weakref.ref, StagePlan]] = {}
         self._last_plan: StagePlan | None = None
         self._measure_batch: int | None = None  # micro-batch size, once a batch has been seen
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()  # created in scope(): their slots move too
         # ReductionToOneDevice reduces each gradient on the first device its destination lives
         # on, i.e. per stage: stage k's gradients are summed on replica 0's stage-k device and
         # copied to the other replicas' stage-k devices (never through stage 0).
@@ -140,7 +142,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
             plan = make_plan(infos, self._placement, self._grid, balance=self._balance,
                              micro_batches=self._micro_batches)
             with self.scope():
-                move_model_variables(self, model, graph, plan)
+                move_model_variables(self, model, graph, plan, optimizers=list(self._optimizers))
         for layer, *_ in graph:
             stage = plan.stage_of[layer.name]
             place_layer_call(layer, functools.partial(self._device, stage), self._streams, lag=stage)
@@ -150,6 +152,13 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
         return plan
 
     # --- tf.distribute hooks ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """The strategy's scope; optimizers created in it are remembered, so that placing a model later
+        also moves (and re-indexes) an optimizer a custom training loop built before its first step."""
+        with super().scope() as strategy, keras_optimizer.optimizer_hooks(_ignore_build, self._optimizers.add):
+            yield strategy
+
     def run(self, fn, args=(), kwargs=None, options=None):
         model = keras_model.model_of_step(fn)
         if model is not None:
@@ -192,3 +201,7 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
                 return fn(*args, **kwargs)
 
         return replica_fn
+
+
+def _ignore_build(optimizer, variables) -> None:
+    """Placement needs no build hook (slots follow their variable through PlacementExtended)."""
