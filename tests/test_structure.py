@@ -172,6 +172,26 @@ def _package_reexport(cycle: str, parents: dict[str, str]) -> bool:
     return any(parents.get(a) == b or parents.get(b) == a for a, b in zip(nodes, nodes[1:])) and len(set(nodes)) == 2
 
 
+def test_launcher_table_and_tf_config_parser_live_once_in_comm_and_load_without_tensorflow():
+    """tfdist.comm.init() and the cluster layer read the same launcher table and TF_CONFIG parser
+    (cluster re-exports comm's objects), and the launcher can load them without starting TensorFlow."""
+    import subprocess
+    import sys
+
+    from tfdist.cluster import env, tf_config
+    from tfdist.comm import launch_env
+    from tfdist.comm import tf_config as comm_tf_config
+
+    for name in env.__all__:
+        assert getattr(env, name) is getattr(launch_env, name), name
+    for name in tf_config.__all__:
+        assert getattr(tf_config, name) is getattr(comm_tf_config, name), name
+    code = ("import sys, tfdist.cluster.env, tfdist.cluster.tf_config, tfdist.comm.launch_env, tfdist.comm.tf_config;"
+            "print(sorted(m for m in sys.modules if m.startswith(('tensorflow', 'keras'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_cluster_reexports_of_training_names_are_the_training_objects():
     import tfdist
 

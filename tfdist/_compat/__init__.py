@@ -8,8 +8,9 @@ A TF or Keras upgrade should only have to revisit this package. It is split by w
   the build hook that is active only inside a tfdist strategy's scope);
 - `keras_model`: Keras model and variable internals (layer graph, initial epoch, the model a step
   belongs to, the backend variable behind a Keras variable);
-- `tf_runtime`: the TF runtime (eager context, coordination service, run metadata, profiler protos,
-  checkpoint tracking, graph ops, tf.data internals, per-thread strategy stacks).
+- `tf_runtime`: the TF runtime (eager context, coordination service, call-time values in tf.function,
+  run metadata, profiler protos, checkpoint tracking, graph ops, tf.data internals, per-thread
+  strategy stacks).
 
 Nothing outside `tfdist` should import it. `tests/test_structure.py` checks that no other tfdist module
 imports `tensorflow.python`/`keras.src`, reads another object's private attribute, or overrides a

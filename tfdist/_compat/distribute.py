@@ -18,8 +18,9 @@ from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
 from tensorflow.python.ops import collective_ops as _collective_ops
 
 __all__ = [
-    "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PlacementExtended", "ProcessCrossDeviceOps",
-    "ProcessGroup", "collective_launchers", "devices_of", "first_global_replica_id", "init_strategy", "is_mirrored",
+    "COMM_KEY_BASE", "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PlacementExtended",
+    "ProcessCrossDeviceOps", "ProcessGroup", "collective_launchers", "collective_server", "devices_of",
+    "first_global_replica_id", "init_strategy", "is_mirrored",
     "launcher_all_gather", "launcher_all_reduce_sum", "launcher_all_to_all", "launcher_device", "local_values",
     "reduce_non_distributed_value", "regroup_per_replica", "strategy_task", "variable_strategy",
 ]
@@ -29,16 +30,42 @@ __all__ = [
 # Every stock strategy starts at 0, so two strategies over different device sets in one process
 # join the same group and fail ("joining a group with size 2, but that group has size 4").
 # Giving each tfdist strategy its own base keeps them apart (TF's own tests do the same).
+#
+# Group keys from COMM_KEY_BASE up belong to tfdist.comm's collectives for users (the MWMS that starts
+# its server numbers its few groups from COMM_KEY_BASE + 1; its world, new_group()s and send/recv pairs
+# lie above): constants, so every process agrees on them, and above every strategy's keys.
 _KEY_STRIDE = 100_000
 _key_bases = itertools.count(start=_KEY_STRIDE, step=_KEY_STRIDE)
+COMM_KEY_BASE = 1 << 30
 
 
 def init_strategy(strategy: tf.distribute.Strategy, make_extended: Callable[[], object]) -> None:
     """Gives `strategy` its own collective keys, builds its StrategyExtended with `make_extended()`
     and runs the base `tf.distribute.Strategy.__init__` with it (what MirroredStrategy.__init__
     does with its own MirroredExtended). The one way every tfdist strategy is initialised."""
-    strategy._collective_key_base = next(_key_bases)
+    base = next(_key_bases)
+    if base + _KEY_STRIDE > COMM_KEY_BASE:
+        raise RuntimeError(f"tfdist has created {base // _KEY_STRIDE - 1} strategies in this process; the next one's "
+                           "collective keys would reach tfdist.comm's (from 2**30). Create strategies once and reuse "
+                           "them.")
+    strategy._collective_key_base = base
     _distribute_lib.Strategy.__init__(strategy, make_extended())
+
+
+class _ServerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """A stock MultiWorkerMirroredStrategy whose own groups (its start-up barrier) take keys from
+    COMM_KEY_BASE + 1, not 1, 2, ... like every stock strategy's: every group key tfdist.comm's TF
+    backend uses lies in its own range."""
+
+    _collective_key_base = COMM_KEY_BASE
+
+
+def collective_server(resolver: tf.distribute.cluster_resolver.ClusterResolver,
+                      options: tf.distribute.experimental.CommunicationOptions) -> tf.distribute.Strategy:
+    """Starts this process's gRPC server and TF's collective ops for the cluster of `resolver` (blocks
+    until every task has started: MWMS's start-up barrier). tfdist.comm's TF backend keeps the result
+    only so the server lives; it runs its own collectives with keys from COMM_KEY_BASE up."""
+    return _ServerStrategy(resolver, communication_options=options)
 
 
 def collective_key_base(strategy: tf.distribute.Strategy) -> int:

@@ -1,4 +1,5 @@
-"""The TF runtime: eager context, coordination service, run metadata, profiler protos, tracking, tf.data."""
+"""The TF runtime: eager context, coordination service, call-time values in tf.function, run metadata, profiler
+protos, tracking, tf.data."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
 from tensorflow.python.eager import context as _eager_context
 
-__all__ = ["SavedTensor", "add_control_inputs", "configure_coordination", "context_initialized",
+__all__ = ["SavedTensor", "add_control_inputs", "call_time_value", "configure_coordination", "context_initialized",
            "dataset_batch_size", "executed_partition_devices", "outside_any_strategy", "xspace_proto"]
 
 T = TypeVar("T")
@@ -37,6 +38,24 @@ def configure_coordination(leader: str, jobs: dict[str, int], *, register_timeou
         heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
         shutdown_barrier_timeout_in_ms=int(shutdown_timeout_s * 1000),
         coordinated_jobs=coordinated)
+
+
+def call_time_value(make: Callable[[], tf.Tensor], spec: tf.TensorSpec) -> tf.Tensor | None:
+    """While a tf.function is being traced: a placeholder that takes the value `make()` (run eagerly)
+    at every call of the function. None outside a function (eagerly, or in a TF1 graph).
+
+    The capture is made in the function graph itself, above any tf.cond / while_loop branch graph,
+    so `make()` runs once per call of the function, in the order the values were captured (trace
+    order). It is how collectives get instance keys that agree across processes even when the
+    processes trace at different moments (TF's CollectiveReplicaLauncher does the same).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    if not getattr(graph, "building_function", False):
+        return None
+    with graph.as_default():
+        return graph.capture_call_time_value(make, spec)
 
 
 def outside_any_strategy(fn: Callable[[], T]) -> T:

@@ -1,83 +1,8 @@
-"""The one table of launcher environment variables: who started this process, its rank, size and local rank."""
+"""The launcher table, re-exported: it lives in `tfdist.comm.launch_env` (the bottom layer, which
+`tfdist.comm.init()` reads too). These are the same objects; import from either place."""
 
-from __future__ import annotations
-
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-
-from tfdist.errors import ConfigError
+from tfdist.comm.launch_env import (LAUNCHERS, LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV, Launcher, launched_by,
+                                    launcher_of, local_device_count, srun_step_tasks)
 
 __all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "RANK_ENV", "ROLE_ENV", "Launcher", "launched_by", "launcher_of",
-           "local_device_count"]
-
-# `tfdist launch` tells each worker how many local devices (replicas) to use with this variable.
-LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
-# ... its rank (0 = the chief; in a --ps job: chief 0, workers 1..n, parameter servers n+1..n+K) ...
-RANK_ENV = "TFDIST_RANK"
-# ... and, in a --ps job only, its TF task type: 'chief', 'worker' or 'ps'.
-ROLE_ENV = "TFDIST_ROLE"
-
-
-@dataclass(frozen=True)
-class Launcher:
-    """What one kind of launcher sets in every process it starts."""
-
-    kind: str                     # 'horovodrun', 'mpirun', 'srun', 'tfdist launch'
-    rank_var: str
-    size_var: str | None
-    local_rank_var: str | None
-    mpi_world: bool               # its processes form a Horovod/MPI world (HorovodStrategy's launchers)
-    description: str              # how a user would have started it
-
-
-# In order of precedence: Horovod's own variables first (horovodrun also sets OpenMPI's under --mpi),
-# then the MPI implementations, PMIx (srun --mpi=pmix), SLURM's task id, and `tfdist launch`.
-LAUNCHERS: tuple[Launcher, ...] = (
-    Launcher("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", True,
-             "horovodrun --gloo / tfdist launch --backend horovod"),
-    Launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", True,
-             "mpirun (OpenMPI) / horovodrun --mpi"),
-    Launcher("srun", "PMIX_RANK", None, None, True, "srun --mpi=pmix"),
-    Launcher("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", True, "mpirun (MPICH) / srun"),
-    Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", True,
-             "mpirun (MVAPICH)"),
-    Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", False, "srun"),
-    Launcher("tfdist launch", RANK_ENV, None, None, False, "tfdist launch"),
-)
-
-
-def launcher_of(environ: Mapping[str, str] | None = None, *, mpi_world: bool | None = None) -> Launcher | None:
-    """The first launcher (in LAUNCHERS order) whose rank variable this process has, or None.
-
-    `mpi_world=True` only considers launchers whose processes form an MPI/Horovod world.
-    """
-    env = os.environ if environ is None else environ
-    for launcher in LAUNCHERS:
-        if mpi_world is not None and launcher.mpi_world != mpi_world:
-            continue
-        if env.get(launcher.rank_var, "").strip():
-            return launcher
-    return None
-
-
-def launched_by(environ: Mapping[str, str] | None = None) -> str | None:
-    """Names the Horovod/MPI launcher that started this process, or None for a plain `python script.py`.
-
-    Example:
-        >>> launched_by({"OMPI_COMM_WORLD_RANK": "1"})
-        'mpirun (OpenMPI) / horovodrun --mpi'
-    """
-    found = launcher_of(environ, mpi_world=True)
-    return found.description if found else None
-
-
-def local_device_count(environ: Mapping[str, str] | None = None) -> int | None:
-    """The device count `tfdist launch --devices-per-worker M` gave this process (TFDIST_LOCAL_DEVICES), or None."""
-    env = os.environ if environ is None else environ
-    raw = env.get(LOCAL_DEVICES_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"{LOCAL_DEVICES_ENV} must be a whole number >= 1, got {raw!r}.")
-    return int(raw)
+           "local_device_count", "srun_step_tasks"]

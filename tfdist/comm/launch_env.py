@@ -1,0 +1,105 @@
+"""The one table of launcher environment variables: who started this process, its rank, size and local rank.
+
+Pure Python (no TensorFlow): `tfdist launch` and `tfdist cluster` read it before any worker starts. It
+lives in the bottom layer so `tfdist.comm.init()` can tell an MPI/Horovod launch from a TF_CONFIG one;
+`tfdist.cluster.env` re-exports it for the launcher, the strategies and rank detection.
+
+Example:
+    >>> launcher_of({"OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "1"}).kind
+    'mpirun'
+    >>> srun_step_tasks({"SLURM_NTASKS": "4"})      # a batch script: not inside an srun step
+    1
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tfdist.errors import ConfigError
+
+__all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "RANK_ENV", "ROLE_ENV", "Launcher", "launched_by", "launcher_of",
+           "local_device_count", "srun_step_tasks"]
+
+# `tfdist launch` tells each worker how many local devices (replicas) to use with this variable.
+LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
+# ... its rank (0 = the chief; in a --ps job: chief 0, workers 1..n, parameter servers n+1..n+K) ...
+RANK_ENV = "TFDIST_RANK"
+# ... and, in a --ps job only, its TF task type: 'chief', 'worker' or 'ps'.
+ROLE_ENV = "TFDIST_ROLE"
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What one kind of launcher sets in every process it starts."""
+
+    kind: str                     # 'horovodrun', 'mpirun', 'srun', 'tfdist launch'
+    rank_var: str
+    size_var: str | None
+    local_rank_var: str | None
+    mpi_world: bool               # its processes form a Horovod/MPI world (HorovodStrategy's launchers)
+    description: str              # how a user would have started it
+
+
+# In order of precedence: Horovod's own variables first (horovodrun also sets OpenMPI's under --mpi),
+# then the MPI implementations, PMIx (srun --mpi=pmix), SLURM's task id, and `tfdist launch`.
+LAUNCHERS: tuple[Launcher, ...] = (
+    Launcher("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", True,
+             "horovodrun --gloo / tfdist launch --backend horovod"),
+    Launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", True,
+             "mpirun (OpenMPI) / horovodrun --mpi"),
+    Launcher("srun", "PMIX_RANK", None, None, True, "srun --mpi=pmix"),
+    Launcher("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", True, "mpirun (MPICH) / srun"),
+    Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", True,
+             "mpirun (MVAPICH)"),
+    Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", False, "srun"),
+    Launcher("tfdist launch", RANK_ENV, None, None, False, "tfdist launch"),
+)
+
+
+def launcher_of(environ: Mapping[str, str] | None = None, *, mpi_world: bool | None = None) -> Launcher | None:
+    """The first launcher (in LAUNCHERS order) whose rank variable this process has, or None.
+
+    `mpi_world=True` only considers launchers whose processes form an MPI/Horovod world.
+    """
+    env = os.environ if environ is None else environ
+    for launcher in LAUNCHERS:
+        if mpi_world is not None and launcher.mpi_world != mpi_world:
+            continue
+        if env.get(launcher.rank_var, "").strip():
+            return launcher
+    return None
+
+
+def launched_by(environ: Mapping[str, str] | None = None) -> str | None:
+    """Names the Horovod/MPI launcher that started this process, or None for a plain `python script.py`.
+
+    Example:
+        >>> launched_by({"OMPI_COMM_WORLD_RANK": "1"})
+        'mpirun (OpenMPI) / horovodrun --mpi'
+    """
+    found = launcher_of(environ, mpi_world=True)
+    return found.description if found else None
+
+
+def local_device_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """The device count `tfdist launch --devices-per-worker M` gave this process (TFDIST_LOCAL_DEVICES), or None."""
+    env = os.environ if environ is None else environ
+    raw = env.get(LOCAL_DEVICES_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{LOCAL_DEVICES_ENV} must be a whole number >= 1, got {raw!r}.")
+    return int(raw)
+
+
+def srun_step_tasks(environ: Mapping[str, str] | None = None) -> int:
+    """How many tasks the srun step running this process has (SLURM_STEP_NUM_TASKS); 1 outside a step.
+
+    SLURM_NTASKS is not used: it is set in the whole allocation, also in a batch script that runs
+    one `python script.py` outside any step.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("SLURM_STEP_NUM_TASKS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
