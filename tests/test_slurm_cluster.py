@@ -151,6 +151,8 @@ def test_fewer_tasks_than_replicas():
     ({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"}, None, "mirrored", "local"),  # batch script, no srun
     ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 0}})},
      None, "multiworker", "tf_config"),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"], "ps": ["c:3"]},
+                               "task": {"type": "chief", "index": 0}})}, None, "ps", "tf_config"),
     ({**step(), "OMPI_COMM_WORLD_SIZE": "2"}, None, "horovod", "mpirun"),  # mpirun inside an allocation
 ])
 def test_decide(env, backend, kind, source):

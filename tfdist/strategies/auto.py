@@ -26,6 +26,7 @@ _CLASSES = {
     "mirrored": ("tfdist.strategies.mirrored", "MirroredStrategy", None),
     "multiworker": ("tfdist.strategies.multi_worker", "MultiWorkerMirroredStrategy", "issue 3"),
     "horovod": ("tfdist.strategies.horovod", "HorovodStrategy", "issue 4"),
+    "ps": ("tfdist.strategies.parameter_server", "ParameterServerStrategy", "issue 17"),
 }
 BACKENDS = (None, "tf", "horovod")
 
@@ -57,7 +58,7 @@ def decide(environ: Mapping[str, str] | None = None, backend: str | None = None,
     1. started by horovodrun or mpirun -> Horovod;
     2. an srun step with more than one task -> MultiWorker over the step's tasks (Horovod when
        backend='horovod', e.g. under `srun --mpi=pmix`);
-    3. TF_CONFIG -> MultiWorker;
+    3. TF_CONFIG -> MultiWorker (ParameterServer when it has a 'ps' job);
     4. otherwise Mirrored over this machine's devices.
     backend='horovod' asks for Horovod and backend='tf' for TF collectives wherever both would work.
 
@@ -101,6 +102,9 @@ def decide(environ: Mapping[str, str] | None = None, backend: str | None = None,
         if backend == "horovod":
             raise ConfigError("backend='horovod' but only TF_CONFIG is set; start the processes with "
                               "horovodrun, mpirun or srun --mpi=pmix.")
+        if tf_config["cluster"].get("ps"):  # e.g. tfdist launch --ps K: asynchronous parameter servers
+            return Decision("ps", "tf_config", f"TF_CONFIG with {len(tf_config['cluster'].get('worker', []))} worker(s) and "
+                            f"{len(tf_config['cluster']['ps'])} parameter server(s)", workers, tf_config=tf_config)
         return Decision("multiworker", "tf_config", f"TF_CONFIG with {workers} worker(s)", workers,
                         tf_config=tf_config)
     if backend == "horovod":
