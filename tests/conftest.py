@@ -32,3 +32,20 @@ def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = N
 @pytest.fixture
 def python():
     return run_python
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A SLURM cluster on this machine (tests/slurm_harness.py) for one test module; skips with the reason
+    where it cannot run (not root, no slurm-wlm)."""
+    from slurm_harness import SlurmHarness, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    harness = SlurmHarness(tmp_path_factory.mktemp("slurm"))
+    try:
+        harness.start()
+        yield harness
+    finally:
+        harness.stop()  # every daemon by PID, namespaces removed, even when a test failed

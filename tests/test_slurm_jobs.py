@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slurm_harness import SlurmHarness, unavailable_reason
 
 pytestmark = pytest.mark.slow
 
@@ -25,19 +24,6 @@ TEMPLATES = REPO / "slurm"
 VENV_BIN = Path(sys.executable).parent
 # A small, fast run that still learns: 8x8 digits, 4 epochs, 2 logical CPUs.
 TRAIN_ARGS = "--dataset digits --epochs 4 --batch-size 64"
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    harness = SlurmHarness(tmp_path_factory.mktemp("slurm"))
-    try:
-        harness.start()
-        yield harness
-    finally:
-        harness.stop()  # every daemon by PID, namespaces removed, even when a test failed
 
 
 def job_env(**extra) -> dict:

@@ -129,21 +129,6 @@ sys.exit(int(os.environ.get("TEST_CODE", "0")))
 """
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    from slurm_harness import SlurmHarness, unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    harness = SlurmHarness(tmp_path_factory.mktemp("slurm"))
-    try:
-        harness.start()
-        yield harness
-    finally:
-        harness.stop()  # every daemon by PID, namespaces removed, even when a test failed
-
-
 def run_ps_template(slurm, tmp_path: Path, code: int, **extra_env: str) -> tuple[str, str, dict, Path]:
     (tmp_path / "tiny.py").write_text(TINY)
     venv_bin = Path(PY).parent
