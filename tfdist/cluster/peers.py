@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-import time
 
-from tfdist.cluster.ports import port_open
+from tfdist.cluster.ports import port_open, silent_after
 from tfdist.cluster.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
 from tfdist.errors import ConfigError
 
@@ -29,12 +28,7 @@ def wait_for_peers(config: ClusterConfig, timeout_s: float) -> None:
     Every worker starts its gRPC server before registering with the coordination leader, so a peer
     whose port stays closed for `timeout_s` never started: say so before TF's runtime waits.
     """
-    deadline = time.monotonic() + timeout_s
-    pending = [addr for _, _, addr in config.peers()]
-    while pending and time.monotonic() < deadline:
-        pending = [addr for addr in pending if not port_open(addr)]
-        if pending:
-            time.sleep(0.2)
+    pending = silent_after([addr for _, _, addr in config.peers()], timeout_s)
     if pending:
         raise startup_error(config, timeout_s, None, missing=pending)
 

@@ -6,14 +6,13 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 
 import tensorflow as tf
 
 from tfdist._compat import keras_model
 from tfdist._compat import parameter_server as ps_compat
-from tfdist.cluster.ports import port_open
+from tfdist.cluster.ports import silent_after
 from tfdist.errors import ConfigError
 from tfdist.training import coordinated
 
@@ -141,12 +140,8 @@ def _checked_cluster(resolver) -> dict[str, list[str]]:
 
 def _wait_for_tasks(cluster: dict[str, list[str]], timeout_s: float) -> None:
     """Waits until every ps and worker listens; ConfigError naming the silent ones after `timeout_s`."""
-    pending = [(job, i, addr) for job in ("ps", "worker") for i, addr in enumerate(cluster[job])]
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
-        pending = [t for t in pending if not port_open(t[2])]
-        if pending:
-            time.sleep(0.2)
+    tasks = [(job, i, addr) for job in ("ps", "worker") for i, addr in enumerate(cluster[job])]
+    pending = silent_after(tasks, timeout_s, address_of=lambda task: task[2])
     if pending:
         names = ", ".join(f"{job} {i} at {addr}" for job, i, addr in pending)
         raise ConfigError(f"ParameterServerStrategy: not answering after connect_timeout_s={timeout_s:g} s: {names}. "
