@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
-__all__ = ["apply_weight_decay", "hook_instance_build", "optimizer_hooks", "keras_all_reduce_sum", "learning_rate_variable", "optimizer_strategy",
-           "override_sharded_state", "record_slot_creation", "reindex", "track_variable", "variable_index"]
+__all__ = ["apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum", "learning_rate_variable", "optimizer_hooks",
+           "optimizer_strategy", "override_sharded_state", "record_slot_creation", "reindex", "track_variable",
+           "uses_weight_decay", "variable_index"]
 
 # --- The build hooks ----------------------------------------------------------------------------------
 # Keras 3 gives a strategy no handle on an optimizer before it creates its slots. Every Keras
@@ -139,8 +140,19 @@ def keras_all_reduce_sum(optimizer, grads: list, tf_variables: list) -> list:
 
 
 def apply_weight_decay(optimizer, variables: list) -> None:
-    """Keras' decoupled weight decay of the optimizer (honours exclude_from_weight_decay)."""
+    """Keras' decoupled weight decay of the optimizer (honours exclude_from_weight_decay); replica context."""
     optimizer._apply_weight_decay(variables)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether Keras' decoupled weight decay applies to `variable` (exclude_from_weight_decay)."""
+    return bool(optimizer._use_weight_decay(variable))
+
+
+def iteration_counter(optimizer):
+    """The variable counting every `apply` call (micro-steps under gradient accumulation, where the
+    public `iterations` is this counter // gradient_accumulation_steps and not a variable)."""
+    return optimizer._iterations
 
 
 # --- Changing one optimizer instance ---------------------------------------------------------------------
@@ -150,14 +162,17 @@ def _bind(obj, name: str, function) -> None:
 
 
 def override_sharded_state(optimizer, *, add_slot: Callable, apply_gradients: Callable,
-                           load_own_variables: Callable) -> None:
+                           load_own_variables: Callable, overwrite_with_average: Callable) -> None:
     """Makes this one optimizer instance keep its state elsewhere: slots come from
     `add_slot(optimizer, reference_variable, name=None, initializer="zeros")`, gradients (unscaled,
-    None filtered; Keras' `_backend_apply_gradients`) go to `apply_gradients(optimizer, grads, variables)`
-    and `.keras` loading goes through `load_own_variables(optimizer, store)`."""
+    None filtered; Keras' `_backend_apply_gradients`, which also runs accumulation and EMA) go to
+    `apply_gradients(optimizer, grads, variables)`, `.keras` loading goes through
+    `load_own_variables(optimizer, store)` and writing the EMA into the model (end of `fit`) through
+    `overwrite_with_average(optimizer, variables)`."""
     _bind(optimizer, "add_variable_from_reference", add_slot)
     _bind(optimizer, "_backend_apply_gradients", apply_gradients)
     _bind(optimizer, "load_own_variables", load_own_variables)
+    _bind(optimizer, "_overwrite_model_variables_with_average_value", overwrite_with_average)
 
 
 def track_variable(optimizer, variable) -> None:

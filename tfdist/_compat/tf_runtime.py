@@ -10,6 +10,7 @@ from typing import TypeVar
 import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
 from tensorflow.python.eager import context as _eager_context
+from tensorflow.python.training.saving import saveable_object as _saveable_object
 
 __all__ = ["SavedTensor", "add_control_inputs", "call_time_value", "configure_coordination", "context_initialized",
            "dataset_batch_size", "executed_partition_devices", "outside_any_strategy", "xspace_proto"]
@@ -84,9 +85,13 @@ def outside_any_strategy(fn: Callable[[], T]) -> T:
 class SavedTensor(tf.__internal__.tracking.Trackable):
     """A Trackable saved by tf.train.Checkpoint as one tensor, like a variable ("VARIABLE_VALUE").
 
-    Subclasses implement `read() -> tf.Tensor` and `write(value)`; a checkpoint written from it
-    reads back into a plain tf.Variable of the same shape, and the reverse.
+    Subclasses implement `read() -> tf.Tensor` and `write(value)` and set `dtype` and
+    `save_device` (where `read` puts its result); a checkpoint written from it reads back into a
+    plain tf.Variable of the same shape, and the reverse.
     """
+
+    dtype: tf.DType
+    save_device: str = "/cpu:0"
 
     def read(self) -> tf.Tensor:
         raise NotImplementedError
@@ -95,7 +100,10 @@ class SavedTensor(tf.__internal__.tracking.Trackable):
         raise NotImplementedError
 
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.read()}
+        # A deferred read: TF also calls this when *restoring*, only to learn names and dtypes, and a
+        # read can be a collective (sharded state across processes) that a restore must not start.
+        spec = _saveable_object.SaveSpec(self.read, "", "", dtype=tf.as_dtype(self.dtype), device=self.save_device)
+        return {"VARIABLE_VALUE": spec}
 
     def _restore_from_tensors(self, restored_tensors):
         self.write(restored_tensors["VARIABLE_VALUE"])

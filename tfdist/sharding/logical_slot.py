@@ -28,6 +28,7 @@ class LogicalSlot(SavedTensor):
         self.name = f"{getattr(reference, 'path', reference.name).replace('/', '_')}_{slot_name}"
         self.path = f"{optimizer_name}/{self.name}"
         self.trainable = False
+        self.save_device = state.host_device
 
     def read(self) -> tf.Tensor:
         return self.state.read(self.var, self.slot_name)

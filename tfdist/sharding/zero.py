@@ -33,6 +33,13 @@ class ZeroEngine:
     update_step on the shard, and all-gather the updated shards into every replica's parameters.
     The parameter-shard variable (what update_step writes) has an unknown length and is emptied
     after the all-gather, so between steps a replica holds no 4Ψ/N copy of its parameters.
+
+    Keras' `gradient_accumulation_steps` and `use_ema` keep their meaning, with sharded state:
+    the reduced gradient shard is added to the owner's accumulator shard on every micro-step
+    (DeepSpeed's stage-2 accumulation: 4Ψ/N per replica instead of a full-size accumulator), and
+    only update steps clip, decay, update and all-gather; each owner keeps the moving average of
+    its own parameter shard, and the averages are all-gathered into the model when Keras
+    overwrites it (`ema_overwrite_frequency`, and at the end of `fit`).
     """
 
     def __init__(self, optimizer, variables: list, config: ZeroConfig):
@@ -56,7 +63,9 @@ class ZeroEngine:
         engine = self
 
         def add_slot(opt, reference_variable, name=None, initializer="zeros"):
-            slot = LogicalSlot(engine.state, keras_optimizer.variable_index(opt, reference_variable), name or "var",
+            # By identity in the build list: Keras makes the EMA "average" slots before it indexes
+            # the variables it is building for.
+            slot = LogicalSlot(engine.state, engine.variable_position(reference_variable), name or "var",
                                reference_variable, opt.name)
             engine.state.shards(slot.slot_name)  # fails clearly if the shard optimizer has no such slot
             keras_optimizer.track_variable(opt, slot)
@@ -64,7 +73,16 @@ class ZeroEngine:
 
         keras_optimizer.override_sharded_state(
             optimizer, add_slot=add_slot, load_own_variables=load_own_variables_strict,
-            apply_gradients=lambda opt, grads, variables: engine.apply(list(grads), list(variables)))
+            apply_gradients=lambda opt, grads, variables: engine.apply(list(grads), list(variables)),
+            overwrite_with_average=lambda opt, variables: engine.overwrite_with_average())
+
+    def variable_position(self, variable) -> int:
+        """Index of `variable` in the list the optimizer was built with."""
+        for i, v in enumerate(self.variables):
+            if v is variable:
+                return i
+        raise ConfigError(f"ZeRO: {_name(variable)} is not one of the variables optimizer "
+                          f"{self.optimizer.name!r} was built with.")
 
     @property
     def optimizer(self):
@@ -80,12 +98,6 @@ class ZeroEngine:
                 f"ZeRO stage {self.stage} cannot shard optimizer {name}: {why}. "
                 f"Supported: {', '.join(sharded_optimizer_names())} (and classes registered with "
                 "tfdist.sharding.register_elementwise); or use zero_stage=0.")
-        if optimizer.use_ema:
-            raise ConfigError(f"ZeRO stage {self.stage}: use_ema=True on {name} would keep a full EMA copy of "
-                              "the model on every replica; not supported with zero_stage > 0 (use zero_stage=0).")
-        if optimizer.gradient_accumulation_steps:
-            raise ConfigError(f"ZeRO stage {self.stage}: gradient_accumulation_steps on {name} keeps full-size "
-                              "accumulators per replica; not supported with zero_stage > 0.")
         if not variables:
             raise ConfigError("ZeRO: the model has no trainable variables to shard.")
         dtypes = {tf.as_dtype(v.dtype) for v in variables}
@@ -102,8 +114,10 @@ class ZeroEngine:
         device we pick, instead of being mirrored on every replica."""
         cls = type(self.optimizer)
         cfg = self.optimizer.get_config()
-        # Weight decay, clipping and loss scaling live in apply(), which the shard optimizer never runs
-        # (the engine calls its update_step), so its config can stay the user's.
+        # Weight decay, clipping, loss scaling, accumulation and EMA live in apply(), which the shard
+        # optimizer never runs (the engine calls its update_step), so its config can stay the user's;
+        # with use_ema / gradient_accumulation_steps its build makes the "average" /
+        # "gradient_accumulator" shards the engine keeps those in.
         cfg["name"] = f"{self.optimizer.name}_shards"
 
         def build():
@@ -135,7 +149,7 @@ class ZeroEngine:
             slots.setdefault(name, [None] * len(self.shard_params))[i] = var
         self.state = SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device,
                                 owner=f"ZeRO stage {self.stage} ({type(self.optimizer).__name__})")
-        own = {id(v) for vs in slots.values() for v in vs} | {id(self.inner.iterations)}
+        own = {id(v) for vs in slots.values() for v in vs} | {id(keras_optimizer.iteration_counter(self.inner))}
         lr = keras_optimizer.learning_rate_variable(self.inner)
         for v in self.inner.variables:
             if id(v) not in own and v is not lr and tuple(v.shape) not in ((), (self.layout.shard_size,)):
@@ -158,7 +172,10 @@ class ZeroEngine:
         grads = [by_index[i] for i in range(len(self.variables))]
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, [tf_variable(v) for v in self.variables])
-        keras_optimizer.apply_weight_decay(self.optimizer, self.variables)
+        if not self.optimizer.gradient_accumulation_steps:
+            # Where stock Keras decays (replica context, before the update): bit-equal stage 1.
+            # With accumulation, only update steps decay, inside the engine's step (`_decay`).
+            keras_optimizer.apply_weight_decay(self.optimizer, self.variables)
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 
     def _pieces(self, tensors: list, shard: int) -> tf.Tensor:
@@ -195,14 +212,59 @@ class ZeroEngine:
                     flats.append(tf.concat(parts, 0))
             shards = comm.reduce_scatter_flat(flats)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
+        opt = self.optimizer
+        # Keras' own counter and update-step rule: with accumulation, `iterations` counts updates.
+        iterations = opt.iterations
+        steps = opt.gradient_accumulation_steps
+        if not steps:
+            self._update(shards, params, lrs)
+        else:
+            accumulators = self.state.shards("gradient_accumulator")
+            micro_steps = keras_optimizer.iteration_counter(opt)
+
+            def update():
+                total = []
+                for acc, shard, device in zip(accumulators, shards, self.state_devices):
+                    with tf.device(device):
+                        total.append((tf.identity(shard) + acc) / tf.cast(steps, self.dtype))
+                self._update(total, params, lrs)
+                for acc, device in zip(accumulators, self.state_devices):
+                    with tf.device(device):
+                        acc.assign(tf.zeros_like(acc))
+                return tf.constant(True)
+
+            def accumulate():
+                for acc, shard, device in zip(accumulators, shards, self.state_devices):
+                    with tf.device(device):
+                        acc.assign_add(tf.identity(shard))
+                return tf.constant(False)
+
+            tf.cond(tf.equal((micro_steps + 1) % steps, 0), update, accumulate)
+        if opt.use_ema:
+            self._update_averages(params, iterations)
+            if opt.ema_overwrite_frequency:
+                def overwrite():
+                    self.overwrite_with_average(params)
+                    return tf.constant(True)
+
+                tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
+                        lambda: tf.constant(False))
+
+    def _update(self, shards: list, params: list, lrs: list) -> None:
+        """Clip the reduced gradient shards, decay and update each owner's parameter shard with the
+        optimizer's own update_step, all-gather the shards into every replica's parameters."""
+        comm, opt = self.comm, self.optimizer
         shards = self._clip(shards)
+        if opt.gradient_accumulation_steps:
+            self._decay(params, lrs)
         for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
             # After the gradient shards exist: filled earlier (it only needs the parameters), the
             # parameter shard would sit in memory through the backward pass and the reduction,
             # which is where the step peaks.
             with tf.device(device), tf.control_dependencies(shards):
                 self.shard_params[i].assign(self._pieces([p[i] for p in params], sid))
-        self.inner.iterations.assign(tf.cast(self.optimizer.iterations, self.inner.iterations.dtype))
+        keras_optimizer.iteration_counter(self.inner).assign(
+            tf.cast(keras_optimizer.iteration_counter(opt), keras_optimizer.iteration_counter(self.inner).dtype))
         for i, device in enumerate(self.state_devices):
             with tf.device(device):
                 self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
@@ -210,7 +272,27 @@ class ZeroEngine:
         for i, device in enumerate(self.state_devices):
             with tf.device(device), tf.control_dependencies(fulls):
                 self.shard_params[i].value.assign(tf.zeros([0], self.dtype))  # free it until the next step
-        for i, device in enumerate(comm.devices):
+        self._write_params(fulls, params)
+
+    def _decay(self, params: list, lrs: list) -> None:
+        """Keras' decoupled weight decay (`exclude_from_weight_decay` honoured) on an update step of
+        gradient accumulation, with Keras' own ops on every replica's copy (in cross-replica context,
+        where Keras' `_apply_weight_decay` would need a merge_call)."""
+        opt = self.optimizer
+        if not opt.weight_decay:
+            return
+        for j, variable in enumerate(self.variables):
+            if not keras_optimizer.uses_weight_decay(opt, variable):
+                continue
+            for i, device in enumerate(self.comm.devices):
+                with tf.device(device):
+                    wd, lr = tf.cast(opt.weight_decay, self.dtype), tf.cast(lrs[i], self.dtype)
+                    params[j][i].assign_sub(params[j][i] * wd * lr)
+
+    def _write_params(self, fulls: list, params: list) -> None:
+        """Copies each local replica's gathered flat vector `fulls[i]` into its parameters."""
+        layout = self.layout
+        for i, device in enumerate(self.comm.devices):
             with tf.device(device):
                 # One variable at a time (each slice waits for the previous assign): a full-size
                 # split would hold a second copy of all parameters next to the gathered vector.
@@ -219,6 +301,28 @@ class ZeroEngine:
                     with tf.control_dependencies(done):
                         piece = fulls[i][layout.offsets[j]:layout.offsets[j] + layout.sizes[j]]
                         done = [var[i].assign(tf.reshape(piece, layout.shapes[j]))]
+
+    def _update_averages(self, params: list, iterations) -> None:
+        """Keras' EMA (`average = m * average + (1 - m) * variable`, m = 0 on the first step), each
+        owner on its own shard of the parameters."""
+        opt = self.optimizer
+        for i, (sid, device) in enumerate(zip(self.comm.shard_ids, self.state_devices)):
+            average = self.state.shards("average")[i]
+            with tf.device(device):
+                momentum = tf.cast(tf.not_equal(iterations, 0), self.dtype) * tf.cast(opt.ema_momentum, self.dtype)
+                current = self._pieces([p[i] for p in params], sid)
+                average.assign(momentum * average + (1 - momentum) * current)
+
+    def overwrite_with_average(self, params: list | None = None) -> None:
+        """Writes the moving averages into the model's parameters (Keras'
+        `_overwrite_model_variables_with_average_value`: `ema_overwrite_frequency` and the end of
+        `fit`): one all-gather of the average shards. Cross-replica context; collective across
+        processes, so every process calls it (as Keras' `fit` does)."""
+        if params is None:
+            strategy = keras_optimizer.optimizer_strategy(self.optimizer)
+            params = [strategy.experimental_local_results(tf_variable(v)) for v in self.variables]
+        averages = [tf.identity(a) for a in self.state.shards("average")]
+        self._write_params(self.comm.all_gather(averages), params)
 
     def _clip(self, shards: list) -> list:
         """Gradient clipping on the *global* (reduced) gradient, whatever the stage.
