@@ -182,7 +182,6 @@ def test_make_tf_configs_with_ps_and_without():
     ({"ps": 0}, r"--ps \(number of parameter servers\) must be a whole number >= 1, got 0"),
     ({"ps": -2}, r"--ps .* >= 1, got -2"),
     ({"ps": 1, "backend": "horovod"}, r"--ps needs --backend tf .* got --backend 'horovod'"),
-    ({"max_restarts": 2}, r"--max-restarts 2 applies only to parameter-server jobs \(--ps K\)"),
     ({"ps": 1, "max_restarts": -1}, r"--max-restarts .* >= 0, got -1"),
 ])
 def test_bad_ps_options_are_clear_errors(kwargs, message):

@@ -10,7 +10,13 @@ import sys
 ALL_REDUCE_RULES = """\
 Start N local processes of COMMAND with a per-rank environment (TF_CONFIG on free loopback ports for
 --backend tf, a Gloo rendezvous for --backend horovod). Output lines are prefixed with the rank; when
-one worker fails the others are stopped, and the first non-zero exit code is returned.
+one worker fails the others are stopped (a worker found stopped by SIGSTOP is named too), and the first
+non-zero exit code is returned.
+
+restarts (--max-restarts R, all-reduce jobs; default 0):
+  when a worker fails, the others are stopped and all N workers start again, at most R times per job,
+  with a fresh TF_CONFIG / Gloo rendezvous and TFDIST_RESTART_COUNT=1..R; the program resumes from its
+  own checkpoint (tfdist.training.BackupAndRestore). The job ends with the last round's code.
 """
 PS_RULES = """\
 parameter-server jobs (--ps K, --backend tf only):
@@ -33,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=ALL_REDUCE_RULES + "\n" + PS_RULES,
         epilog="examples:\n  tfdist launch -n 2 -- tfdist train --strategy multiworker --epochs 3\n"
+               "  tfdist launch -n 2 --max-restarts 3 -- tfdist train --strategy multiworker --backup-dir ckpt\n"
                "  tfdist launch -n 2 --ps 1 -- tfdist train --strategy ps --steps-per-epoch 50")
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--devices-per-worker", type=int, default=1,
@@ -41,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ps", type=int, default=None, metavar="K",
                    help="K >= 1 parameter servers: run a parameter-server job (chief + N workers + K ps; see above)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="R",
-                   help="with --ps: restart a failed worker at most R times (default 3; 0: never)")
+                   help="restart all workers when one fails, at most R times (default 0: the job fails); with --ps: "
+                        "restart a failed worker at most R times (default 3; 0: never)")
     p.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
     p.add_argument("--network", choices=("private", "host"), default="private",
                    help="private (default): --backend tf jobs run in a network namespace with loopback only, so "

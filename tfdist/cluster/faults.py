@@ -12,13 +12,15 @@ from collections.abc import Iterator
 from tfdist.cluster.tf_config import ClusterConfig
 from tfdist.errors import TfdistError
 
-__all__ = ["WorkerLostError", "lost_worker_error", "install_excepthook", "startup_watchdog"]
+__all__ = ["WorkerLostError", "install_excepthook", "lost_worker_error", "startup_watchdog"]
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 _ADDRESS = re.compile(r"(?:ipv4:|ipv6:|//)?\[?([\w.:-]+?)\]?:(\d{2,5})\b")
 # Phrases of TF errors that mean "a peer is gone", as opposed to a bug in the user's model.
 _PEER_GONE = ("Collective ops is aborted", "Connection reset", "failed to connect", "Socket closed",
               "heartbeat", "Deadline Exceeded", "DEADLINE_EXCEEDED", "timed out", "unavailable", "UNAVAILABLE")
+# What the error of a task whose heartbeat to the coordination leader timed out contains.
+_LEADER_HEARTBEAT = "CoordinationService/Heartbeat"
 
 
 class WorkerLostError(TfdistError, RuntimeError):
@@ -60,6 +62,13 @@ def _lost_task(text: str, config: ClusterConfig) -> str | None:
         if port in ports:
             job, i, addr = ports[port]
             return f"/job:{job}/replica:0/task:{i} ({addr})"
+    if _LEADER_HEARTBEAT in text:
+        # Every task heartbeats to the coordination leader only: this task's heartbeat RPC timing out
+        # ("Deadline Exceeded ... RPC: /tensorflow.CoordinationService/Heartbeat", no task named) means
+        # the leader is silent (stopped, hung or unreachable), e.g. worker 0 stopped with SIGSTOP.
+        job = "chief" if "chief" in config.cluster else "worker"
+        if (job, 0) != (config.task_type, config.task_index):
+            return f"/job:{job}/replica:0/task:0 ({config.cluster[job][0]}, the coordination leader)"
     return None
 
 

@@ -1,5 +1,6 @@
-"""Local launcher: N worker processes with per-rank environments, rank-prefixed output, fail-fast exit;
-with --ps K, a parameter-server job (chief, workers, parameter servers) supervised by ps_supervisor."""
+"""Local launcher: N worker processes with per-rank environments, rank-prefixed output, fail-fast exit or
+whole-job restarts (--max-restarts, tfdist.cluster.elastic); with --ps K, a parameter-server job (chief,
+workers, parameter servers) supervised by ps_supervisor."""
 
 from __future__ import annotations
 
@@ -10,28 +11,30 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import ContextManager, Protocol, TextIO
+from contextlib import AbstractContextManager
+from typing import Protocol, TextIO
 
 from tfdist.cluster.backends import ps_job_tasks
-from tfdist.cluster.processes import describe_exit, exit_code, start_process, stop_processes
+from tfdist.cluster.elastic import run_with_restarts
 from tfdist.cluster.private_net import private_network
+from tfdist.cluster.processes import start_process, stop_processes
 from tfdist.cluster.ps_supervisor import supervise_ps, task_label
 from tfdist.errors import ConfigError
 
-__all__ = ["LaunchBackend", "BACKENDS", "DEFAULT_MAX_RESTARTS", "load_backend", "launch"]
+__all__ = ["BACKENDS", "DEFAULT_MAX_RESTARTS", "LaunchBackend", "launch", "load_backend"]
 
 
 class LaunchBackend(Protocol):
     """Where a job's per-process environment comes from (TF_CONFIG, a Gloo rendezvous, ...).
 
     `environments(n, devices_per_worker)` is a context manager yielding one dict of extra environment
-    variables per process; it stays open for the job's lifetime, so a backend can run a server. A backend
+    variables per process; it stays open while those processes run (one round of an all-reduce job: a
+    restart opens a fresh one; the whole of a parameter-server job), so a backend can run a server. A backend
     that can make parameter-server jobs has `supports_ps = True` and takes `ps=K` there too.
     """
 
-    def environments(self, n: int, devices_per_worker: int) -> ContextManager[list[dict[str, str]]]: ...
+    def environments(self, n: int, devices_per_worker: int) -> AbstractContextManager[list[dict[str, str]]]: ...
 
 
 # backend name -> "module:attribute" of a zero-argument factory; imported only when chosen.
@@ -80,8 +83,14 @@ def launch(
     Each process gets the environment of `backend` for its rank; every line it prints (stdout and
     stderr) is written to `out` prefixed with "[rank] ". When a process fails (non-zero exit or a
     signal, reported as 128 + signal number) the others are stopped (SIGTERM, then SIGKILL after
-    processes.STOP_GRACE_S) and the launcher says which rank died and how. `on_start` receives the processes
-    (e.g. to send signals in tests); `timeout_s` stops the whole job and returns 124.
+    processes.STOP_GRACE_S) and the launcher says which rank died and how, and which ranks it found
+    stopped (SIGSTOP: alive but silent). `on_start` receives the processes (e.g. to send signals in tests);
+    `timeout_s` stops the whole job and returns 124.
+
+    With `max_restarts` = R >= 1 (default 0), a failure does not end the job: after stopping the others the
+    launcher starts all `n` workers again, at most R times (tfdist.cluster.elastic: a fresh TF_CONFIG or
+    Gloo rendezvous per round, TFDIST_RESTART_COUNT = the round); the program resumes from its own
+    checkpoint (tfdist.training.BackupAndRestore). `on_start` is called again with each round's processes.
 
     With `ps` = K >= 1 (backend "tf" only) it runs a parameter-server job instead: 1 chief + n workers +
     K parameter servers, each with TF_CONFIG (jobs 'chief', 'worker', 'ps'), TFDIST_ROLE and TFDIST_RANK
@@ -95,6 +104,8 @@ def launch(
     Example:
         >>> launch(["python", "train.py"], 2)       # same as: tfdist launch -n 2 -- python train.py
         0
+        >>> launch(["python", "train.py"], 2, max_restarts=3)  # tfdist launch -n 2 --max-restarts 3 -- ...
+        0
         >>> launch(["python", "train.py"], 2, ps=1) # same as: tfdist launch -n 2 --ps 1 -- python train.py
         0
     """
@@ -107,36 +118,49 @@ def launch(
     if network not in NETWORKS:
         raise ConfigError(f"--network must be one of {list(NETWORKS)}, got {network!r}.")
     backend = load_backend(backend) if isinstance(backend, str) else backend
+    if ps is not None:
+        _check_supports_ps(backend)
     say = _line_writer(out or sys.stdout)
-    labels = [str(r) for r in range(n)] if ps is None else [task_label(*t) for t in ps_job_tasks(n, ps)]
-    with _environments(backend, n, devices_per_worker, ps) as envs, _network(backend, network, say) as prefix:
-        procs: list[subprocess.Popen] = []
-        readers: list[threading.Thread] = []
+    readers: list[threading.Thread] = []
+    with _network(backend, network, say) as prefix:
 
-        def start(i: int) -> subprocess.Popen:
-            full_env = {**os.environ, **(env or {}), **envs[i], "PYTHONUNBUFFERED": "1"}
-            proc, reader = start_process([*prefix, *command], full_env, f"[{labels[i]}] ", say)
+        def start(label: str, extra_env: Mapping[str, str]) -> subprocess.Popen:
+            full_env = {**os.environ, **(env or {}), **extra_env, "PYTHONUNBUFFERED": "1"}
+            proc, reader = start_process([*prefix, *command], full_env, f"[{label}] ", say)
             readers.append(reader)
             return proc
 
         try:
-            for i in range(len(envs)):
-                procs.append(start(i))
-            if on_start:
-                on_start(procs)
             if ps is None:
-                code = _supervise(procs, say, timeout_s)
-            else:
-                restarts = DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts
-                code = supervise_ps(procs, ps_job_tasks(n, ps), start, say, max_restarts=restarts,
-                                    timeout_s=timeout_s)
-        except BaseException:
-            stop_processes(procs)
-            raise
+                return run_with_restarts(lambda: backend.environments(n, devices_per_worker),
+                                         lambda rank, extra: start(str(rank), extra), say,
+                                         max_restarts=max_restarts or 0, timeout_s=timeout_s, on_start=on_start)
+            return _launch_ps(backend, n, ps, devices_per_worker, start, say,
+                              max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
+                              timeout_s=timeout_s, on_start=on_start)
         finally:
             for t in readers:
                 t.join(timeout=5)
-    return code
+
+
+def _launch_ps(backend: LaunchBackend, n: int, ps: int, devices_per_worker: int,
+               start: Callable[[str, Mapping[str, str]], subprocess.Popen], say: Callable[[str], None], *,
+               max_restarts: int, timeout_s: float | None,
+               on_start: Callable[[list[subprocess.Popen]], None] | None) -> int:
+    """A parameter-server job: one set of environments for the whole job (a restarted worker rejoins with its own)."""
+    tasks = ps_job_tasks(n, ps)
+    with backend.environments(n, devices_per_worker, ps=ps) as envs:
+        procs: list[subprocess.Popen] = []
+        try:
+            for i, task in enumerate(tasks):
+                procs.append(start(task_label(*task), envs[i]))
+            if on_start:
+                on_start(procs)
+            return supervise_ps(procs, tasks, lambda i: start(task_label(*tasks[i]), envs[i]), say,
+                                max_restarts=max_restarts, timeout_s=timeout_s)
+        except BaseException:
+            stop_processes(procs)
+            raise
 
 
 @contextlib.contextmanager
@@ -168,29 +192,22 @@ def _line_writer(out: TextIO) -> Callable[[str], None]:
     return say
 
 
-def _environments(backend: LaunchBackend, n: int, devices_per_worker: int,
-                  ps: int | None) -> ContextManager[list[dict[str, str]]]:
-    if ps is None:
-        return backend.environments(n, devices_per_worker)
+def _check_supports_ps(backend: LaunchBackend) -> None:
     if not getattr(backend, "supports_ps", False):
         name = getattr(backend, "name", type(backend).__name__)
         raise ConfigError(f"--ps needs --backend tf (TF_CONFIG with chief, worker and ps jobs), got --backend "
                           f"{name!r}, which has no parameter servers; drop --ps or use --backend tf.")
-    return backend.environments(n, devices_per_worker, ps=ps)
 
 
 def _check_ps_options(ps: int | None, max_restarts: int | None) -> None:
-    """ConfigError for a --ps that is not a count of parameter servers, or --max-restarts without --ps."""
+    """ConfigError for a --ps that is not a count of parameter servers, or a --max-restarts that is not a count."""
     if ps is not None and (isinstance(ps, bool) or not isinstance(ps, int) or ps < 1):
         raise ConfigError(f"--ps (number of parameter servers) must be a whole number >= 1, got {ps!r}; leave "
                           "--ps out for an all-reduce job.")
-    if max_restarts is None:
-        return
-    if ps is None:
-        raise ConfigError(f"--max-restarts {max_restarts} applies only to parameter-server jobs (--ps K): in an "
-                          "all-reduce job the others cannot go on without a lost worker, so the job stops.")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ConfigError(f"--max-restarts (restarts per worker) must be a whole number >= 0, got {max_restarts!r}.")
+    if max_restarts is not None and (isinstance(max_restarts, bool) or not isinstance(max_restarts, int)
+                                     or max_restarts < 0):
+        what = "restarts per worker" if ps is not None else "restarts of all workers"
+        raise ConfigError(f"--max-restarts ({what}) must be a whole number >= 0, got {max_restarts!r}.")
 
 
 def _check_program(program: str) -> None:
@@ -205,25 +222,3 @@ def _check_program(program: str) -> None:
     elif shutil.which(program) is None:
         raise ConfigError(f"cannot launch {program!r}: no such program on PATH. usage: tfdist launch -n 2 -- "
                           "python train.py")
-
-
-def _supervise(procs: list[subprocess.Popen], say: Callable[[str], None], timeout_s: float | None) -> int:
-    """All-reduce jobs: the first failure stops everyone (the others would wait for it forever)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            alive = [r for r, c in enumerate(codes) if c is None]
-            say(f"[launch] worker {rank} (pid {procs[rank].pid}) {describe_exit(code)}"
-                + (f"; stopping worker(s) {alive}" if alive else ""))
-            stop_processes(procs)
-            return exit_code(code)
-        if all(c == 0 for c in codes):
-            return 0
-        if deadline is not None and time.monotonic() > deadline:
-            say(f"[launch] job exceeded its timeout of {timeout_s:g} s; stopping all workers")
-            stop_processes(procs)
-            return 124
-        time.sleep(0.05)

@@ -10,9 +10,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["STOP_GRACE_S", "describe_exit", "exit_code", "kill_group", "start_process", "stop_processes"]
+__all__ = ["STOP_GRACE_S", "describe_exit", "exit_code", "is_stopped", "kill_group", "start_process", "stop_processes"]
 
-# Seconds a stopped process gets between SIGTERM and SIGKILL.
+# Seconds a process being stopped gets between SIGTERM and SIGKILL.
 STOP_GRACE_S = 5.0
 
 
@@ -39,9 +39,15 @@ def _pump(stream, prefix: str, say: Callable[[str], None]) -> None:
 
 
 def stop_processes(procs: Sequence[subprocess.Popen]) -> None:
-    """Stops the process group of every live process: SIGTERM, then SIGKILL after STOP_GRACE_S."""
+    """Stops the process group of every live process: SIGTERM, then SIGKILL after STOP_GRACE_S.
+
+    A stopped process (SIGSTOP) gets SIGKILL at once: it cannot act on SIGTERM before it is continued,
+    and continuing it would let it run on (e.g. write a checkpoint) while its peers are being stopped."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
+        if is_stopped(p):
+            kill_group(p)
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
@@ -58,6 +64,18 @@ def kill_group(proc: subprocess.Popen) -> None:
     a restarted worker must not meet its predecessor's children on its port)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def is_stopped(proc: subprocess.Popen) -> bool:
+    """True while `proc` is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat), i.e. alive but
+    silent to its peers. False when it runs, has ended, or where there is no /proc."""
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses, the state follows the last ')'.
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
 
 
 def describe_exit(code: int) -> str:
