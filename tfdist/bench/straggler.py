@@ -39,6 +39,7 @@ import threading
 import time
 
 from tfdist.bench.cpu_groups import CPU_ROOT, CgroupsUnavailable, CpuGroups, cgroup_problem  # noqa: F401
+from tfdist.bench.rounds import spread as _spread
 
 NAME = "straggler"
 HELP = ("images/s of async parameter-server training vs synchronous MultiWorkerMirroredStrategy, 2 workers, "
@@ -255,20 +256,16 @@ def measure(args: argparse.Namespace) -> dict:
     return record
 
 
-def _median_spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], order: list[str], paths: list[str]) -> dict:
-    ips = {m: _median_spread([r["images_per_sec"] for r in runs[m]]) for m in MODES}
-    accuracy = {m: _median_spread([r["test_accuracy"] for r in runs[m]]) for m in MODES}
+    ips = {m: _spread([r["images_per_sec"] for r in runs[m]]) for m in MODES}
+    accuracy = {m: _spread([r["test_accuracy"] for r in runs[m]]) for m in MODES}
     per_round = [a["images_per_sec"] / s["images_per_sec"] for a, s in zip(runs["async"], runs["sync"])]
     ratio = ips["async"]["median"] / ips["sync"]["median"]
     cpus, per_cpu = {}, {}
     for m in MODES:
         if all("cpus_used" in r for r in runs[m]):
             cpus[m] = {n: statistics.median(r["cpus_used"][n] for r in runs[m]) for n in runs[m][0]["cpus_used"]}
-            per_cpu[m] = _median_spread([r["images_per_cpu_second"] for r in runs[m]])
+            per_cpu[m] = _spread([r["images_per_cpu_second"] for r in runs[m]])
     return {
         "benchmark": NAME, "model": "tfdist.models.cnn", "dataset": "mnist (4000 train / 1000 test)",
         "optimizer": f"Adam({args.learning_rate})",
@@ -285,7 +282,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], order: list
                   "process start-up is not timed",
         "max_in_flight": args.max_in_flight, "rounds": args.rounds, "order": order,
         "images_per_sec": ips, "ratio": ratio,
-        "ratio_per_round": {"values": per_round, **_median_spread(per_round)},
+        "ratio_per_round": {"values": per_round, **_spread(per_round)},
         "target_ratio": TARGET_RATIO, "met": ratio >= TARGET_RATIO,
         "test_accuracy": accuracy, "cpus_used": cpus, "images_per_cpu_second": per_cpu,
         "cpu_note": "cpus_used: CPU time of each process (its cgroup's cpuacct.usage) during the timed epoch / the "
