@@ -70,7 +70,7 @@ demo: setup
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
 test: setup system-deps horovod
-	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 $(PYTEST_ARGS)
+	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 --durations=30 $(PYTEST_ARGS)
 
 quick: setup system-deps horovod
 	$(BIN)/pytest tests -m "not slow" $(PYTEST_ARGS)
