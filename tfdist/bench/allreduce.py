@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size first")
     p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
+    p.add_argument("--link-rates", nargs="+", default=None, metavar="RATE",
+                   help="--backend tf: run on emulated nodes linked at each RATE (e.g. 1gbit 10gbit; root only) and "
+                        "report bus bandwidth / link rate")
     horovod = p.add_argument_group("--backend horovod", "raw hvd.allreduce vs HorovodStrategy's gradient path "
                                    "vs mpi4py, under mpirun and then Horovod's Gloo controller")
     horovod.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size")
@@ -45,15 +48,22 @@ def run(args: argparse.Namespace) -> int:
         args.np = args.num_workers
         module.run(args)  # prints its side-by-side table and ratios, writes the JSON
         return 0
-    record = _run_tf(args)
-    _report(record)
+    if args.link_rates:
+        if args.backend != "tf":
+            raise ConfigError("--link-rates works with --backend tf for now (emulated nodes run TF_CONFIG workers).")
+        record = {"benchmark": NAME, "backend": "tf", "links": [_run_tf(args, rate) for rate in args.link_rates]}
+        for link in record["links"]:
+            _report(link)
+    else:
+        record = _run_tf(args)
+        _report(record)
     from tfdist.bench.common import write_json
 
     write_json(args.json, record)
     return 0
 
 
-def _run_tf(args: argparse.Namespace) -> dict:
+def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
     from tfdist.bench.common import machine
     from tfdist.bench.processes import module_command, run_workers
     from tfdist.errors import ConfigError
@@ -63,12 +73,18 @@ def _run_tf(args: argparse.Namespace) -> dict:
         cmd = module_command("tfdist.bench.allreduce", worker=result_path, iters=args.iters, warmup=args.warmup,
                              sizes_mb=args.sizes_mb)
         log = io.StringIO()
-        code = run_workers(cmd, args.num_workers, launcher="tf", out=log)
+        code = run_workers(cmd, args.num_workers, launcher="tf", out=log, link_rate=link_rate)
         if code != 0 or not os.path.exists(result_path):
             raise ConfigError(f"all-reduce workers failed (exit code {code}):\n{log.getvalue()[-3000:]}")
         with open(result_path) as f:
             results = json.load(f)
+    if link_rate is not None:
+        from tfdist.cluster.emulated_network import parse_rate
+
+        for r in results:  # bus bandwidth as a share of each node's link: what a ring can at most carry
+            r["busbw_over_link"] = r["busbw_gbps"] * 8e9 / parse_rate(link_rate)
     return {"benchmark": NAME, "backend": "tf", "engine": "tf.distribute.MultiWorkerMirroredStrategy, RING over gRPC",
+            "link_rate": link_rate or "loopback",
             "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
             "busbw_formula": "2(N-1)/N * bytes / median time", "results": results, "machine": machine()}
 
@@ -76,9 +92,12 @@ def _run_tf(args: argparse.Namespace) -> dict:
 def _report(record: dict) -> None:
     print(f"all-reduce, {record.get('engine', record.get('backend'))}, {record.get('num_workers')} processes, "
           f"median of {record.get('iters')}")
-    print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}")
+    link = record.get("link_rate", "loopback")
+    print(f"link: {link}")
+    print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}" + ("  busbw/link" if link != "loopback" else ""))
     for r in record.get("results", []):
-        print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s")
+        share = f"  {r['busbw_over_link']:10.2f}" if "busbw_over_link" in r else ""
+        print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share}")
 
 
 def _worker(argv: list[str]) -> int:

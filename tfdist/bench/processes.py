@@ -21,20 +21,21 @@ TIMED_OUT = 124  # what tfdist.cluster.launcher.launch returns on a timeout
 
 def run_workers(command: Sequence[str], n: int, *, launcher: str = "tf", env: Mapping[str, str] | None = None,
                 mpirun_options: Sequence[str] = (), out: TextIO | None = None,
-                timeout_s: float = TIMEOUT_S) -> int:
+                timeout_s: float = TIMEOUT_S, link_rate: str | None = None) -> int:
     """Runs `command` as `n` local processes; returns the first non-zero exit code, 0 if all succeed.
 
     launcher "tf" (TF_CONFIG per rank) and "horovod" (Horovod's Gloo rendezvous) go through
     tfdist.cluster.launcher.launch, which prefixes each output line with its rank; "mpirun" hands the
     processes to OpenMPI (Horovod's MPI controller, mpi4py), with `mpirun_options` before the command.
     `env` is added to this process's environment; `out` receives the workers' output (default stdout).
+    `link_rate` (launcher "tf"): each process on an emulated node linked at that rate (root only).
     """
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     if launcher == "mpirun":
         return _mpirun(command, n, env, mpirun_options, out, timeout_s)
     if launcher not in LAUNCHERS:
         raise ConfigError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}.")
-    return launch(list(command), n, backend=launcher, env=env, out=out, timeout_s=timeout_s)
+    return launch(list(command), n, backend=launcher, env=env, out=out, timeout_s=timeout_s, link_rate=link_rate)
 
 
 def _mpirun(command: Sequence[str], n: int, env: Mapping[str, str], options: Sequence[str],

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="private (default): --backend tf jobs run in a network namespace with loopback only, so "
                         "their unauthenticated TF servers are reachable from the job alone; host: this machine's "
                         "network (see docs/security.md)")
+    p.add_argument("--link-rate", default=None, metavar="RATE",
+                   help="run each worker on an emulated node whose link runs at RATE (e.g. 1gbit, 10gbit; "
+                        "network namespaces + tc, root only; --backend tf)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
 
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         return launch(cmd, args.num_workers, ps=args.ps, max_restarts=args.max_restarts, network=args.network,
+                      link_rate=args.link_rate,
                       devices_per_worker=args.devices_per_worker, backend=args.backend, timeout_s=args.timeout)
     except KeyboardInterrupt:
         print("[launch] interrupted; workers stopped", file=sys.stderr)

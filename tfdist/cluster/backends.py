@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from tfdist.cluster.env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.cluster.ports import free_ports
@@ -22,8 +22,9 @@ def ps_job_tasks(n: int, ps: int) -> list[tuple[str, int]]:
     return [("chief", 0), *(("worker", i) for i in range(n)), *(("ps", j) for j in range(ps))]
 
 
-def make_tf_configs(n: int, host: str = "localhost", *, ps: int = 0) -> list[str]:
-    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port.
+def make_tf_configs(n: int, host: str = "localhost", *, ps: int = 0, hosts: Sequence[str] | None = None) -> list[str]:
+    """TF_CONFIG texts for `n` workers on this machine, each on a free loopback port (or worker i at
+    `hosts[i]`, e.g. the nodes of an emulated network).
 
     With `ps` = K >= 1, a parameter-server cluster instead: 1 chief + n workers + K parameter servers (jobs
     'chief', 'worker', 'ps'), one TF_CONFIG per task in the order of `ps_job_tasks(n, K)`.
@@ -37,8 +38,11 @@ def make_tf_configs(n: int, host: str = "localhost", *, ps: int = 0) -> list[str
     if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
         raise ConfigError(f"make_tf_configs: ps (number of parameter servers) must be a whole number >= 0, "
                           f"got {ps!r}.")
+    if hosts is not None and (ps or len(hosts) != n):
+        raise ConfigError(f"make_tf_configs: hosts must give one address per worker ({n}) and needs ps=0, got "
+                          f"{len(hosts)} hosts with ps={ps}.")
     if ps == 0:
-        addresses = [f"{host}:{port}" for port in free_ports(n)]
+        addresses = [f"{hosts[i] if hosts else host}:{port}" for i, port in enumerate(free_ports(n))]
         return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
                 for i in range(n)]
     tasks = ps_job_tasks(n, ps)
@@ -67,13 +71,16 @@ class TFConfigBackend:
     supports_ps = True  # the launcher asks before it starts a --ps job
     # TF's gRPC servers bind every interface: the launcher runs such jobs in a private network namespace.
     listens_on_all_interfaces = True
+    # environments(..., hosts=[...]) puts worker i at hosts[i] (the launcher's emulated nodes).
+    supports_hosts = True
 
     @contextlib.contextmanager
-    def environments(self, n: int, devices_per_worker: int, ps: int = 0) -> Iterator[list[dict[str, str]]]:
+    def environments(self, n: int, devices_per_worker: int, ps: int = 0,
+                     hosts: Sequence[str] | None = None) -> Iterator[list[dict[str, str]]]:
         if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
             raise ConfigError(f"TFConfigBackend: devices_per_worker must be a whole number >= 1, "
                               f"got {devices_per_worker!r}.")
-        configs = make_tf_configs(n, ps=ps)
+        configs = make_tf_configs(n, ps=ps, hosts=hosts)
         if ps == 0:
             yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), RANK_ENV: str(i)}
                    for i, cfg in enumerate(configs)]

@@ -17,6 +17,7 @@ from typing import Protocol, TextIO
 
 from tfdist.cluster.backends import ps_job_tasks
 from tfdist.cluster.elastic import run_with_restarts
+from tfdist.cluster.emulated_network import EmulatedNetwork, parse_rate
 from tfdist.cluster.private_net import private_network
 from tfdist.cluster.processes import start_process, stop_processes
 from tfdist.cluster.ps_supervisor import supervise_ps, task_label
@@ -77,6 +78,7 @@ def launch(
     on_start: Callable[[list[subprocess.Popen]], None] | None = None,
     timeout_s: float | None = None,
     network: str = "private",
+    link_rate: str | None = None,
 ) -> int:
     """Runs `command` as `n` local processes and returns the first non-zero exit code (0 if all succeed).
 
@@ -101,6 +103,10 @@ def launch(
     (default DEFAULT_MAX_RESTARTS) and the job goes on; a parameter server that ends is reported, not
     restarted. The list `on_start` receives is kept current: a restarted worker replaces its entry.
 
+    With `link_rate` (e.g. "1gbit"; backend "tf", no `ps`), every worker runs on a node of its own: a
+    network namespace whose link to the others is shaped at that rate (tfdist.cluster.emulated_network;
+    root only), and its TF_CONFIG address is the node's.
+
     Example:
         >>> launch(["python", "train.py"], 2)       # same as: tfdist launch -n 2 -- python train.py
         0
@@ -120,20 +126,27 @@ def launch(
     backend = load_backend(backend) if isinstance(backend, str) else backend
     if ps is not None:
         _check_supports_ps(backend)
+    if link_rate is not None:
+        _check_link_rate(backend, ps, link_rate)
     say = _line_writer(out or sys.stdout)
     readers: list[threading.Thread] = []
-    with _network(backend, network, say) as prefix:
+    with _network(backend, network, say, link_rate, n) as (prefix, nodes):
 
-        def start(label: str, extra_env: Mapping[str, str]) -> subprocess.Popen:
+        def start(label: str, extra_env: Mapping[str, str], rank: int | None = None) -> subprocess.Popen:
             full_env = {**os.environ, **(env or {}), **extra_env, "PYTHONUNBUFFERED": "1"}
-            proc, reader = start_process([*prefix, *command], full_env, f"[{label}] ", say)
+            argv = nodes.command(rank, command) if nodes is not None else [*prefix, *command]
+            proc, reader = start_process(argv, full_env, f"[{label}] ", say)
             readers.append(reader)
             return proc
 
+        def environments():
+            if nodes is None:
+                return backend.environments(n, devices_per_worker)
+            return backend.environments(n, devices_per_worker, hosts=[nodes.address(i) for i in range(n)])
+
         try:
             if ps is None:
-                return run_with_restarts(lambda: backend.environments(n, devices_per_worker),
-                                         lambda rank, extra: start(str(rank), extra), say,
+                return run_with_restarts(environments, lambda rank, extra: start(str(rank), extra, rank), say,
                                          max_restarts=max_restarts or 0, timeout_s=timeout_s, on_start=on_start)
             return _launch_ps(backend, n, ps, devices_per_worker, start, say,
                               max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
@@ -164,20 +177,37 @@ def _launch_ps(backend: LaunchBackend, n: int, ps: int, devices_per_worker: int,
 
 
 @contextlib.contextmanager
-def _network(backend: LaunchBackend, network: str, say: Callable[[str], None]) -> Iterator[list[str]]:
-    """The command prefix that puts a process in the job's private network (tfdist.cluster.private_net), or
-    [] on the host network. Backends whose servers bind loopback themselves (Horovod's Gloo rendezvous
-    and pairs) stay on the host network: their rendezvous runs in this process."""
+def _network(backend: LaunchBackend, network: str, say: Callable[[str], None], link_rate: str | None,
+             n: int) -> Iterator[tuple[list[str], EmulatedNetwork | None]]:
+    """(command prefix, emulated nodes): with `link_rate`, one emulated node per worker (no prefix: each
+    rank runs under its node's command); else the prefix that puts a process in the job's private network
+    (tfdist.cluster.private_net), or [] on the host network. Backends whose servers bind loopback
+    themselves (Horovod's Gloo rendezvous and pairs) stay on the host network: their rendezvous runs in
+    this process."""
+    if link_rate is not None:
+        with EmulatedNetwork(n, link_rate) as nodes:
+            say(f"[launch] {n} emulated nodes, each linked at {link_rate}: "
+                + ", ".join(nodes.address(i) for i in range(n)))
+            yield [], nodes
+        return
     if network == "host" or not getattr(backend, "listens_on_all_interfaces", False):
-        yield []
+        yield [], None
         return
     with private_network() as (net, reason):
         if net is None:
             say(f"[launch] warning: no private network for this job ({reason}); its TensorFlow servers listen on "
                 "every interface, unauthenticated — see docs/security.md. Pass --network host to silence this.")
-            yield []
+            yield [], None
         else:
-            yield net.command_prefix
+            yield net.command_prefix, None
+
+
+def _check_link_rate(backend: LaunchBackend, ps: int | None, link_rate: str) -> None:
+    name = getattr(backend, "name", type(backend).__name__)
+    if ps is not None or not getattr(backend, "supports_hosts", False):
+        raise ConfigError(f"--link-rate (emulated nodes) works with --backend tf and no --ps for now; got --backend "
+                          f"{name!r}{' with --ps' if ps is not None else ''}. Drop --link-rate, or use --backend tf.")
+    parse_rate(link_rate)  # a bad rate fails here, before anything starts
 
 
 def _line_writer(out: TextIO) -> Callable[[str], None]:
