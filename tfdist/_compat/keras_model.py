@@ -11,7 +11,7 @@ import keras
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as _TFTrainer
 from keras.src.ops.function import make_node_key as _make_node_key
 
-__all__ = ["initial_epoch", "layer_graph", "model_hooks", "model_of_step", "set_initial_epoch", "strategy_of",
+__all__ = ["all_layers", "initial_epoch", "layer_graph", "model_hooks", "model_of_step", "set_initial_epoch", "strategy_of",
            "swap_variable_value", "using_strategy"]
 
 
@@ -54,6 +54,12 @@ def layer_graph(model) -> list[tuple]:
             out_shapes.extend(tuple(t.shape) for t in node.outputs)
         out.append((op, parents, in_shapes, out_shapes))
     return out
+
+
+def all_layers(model) -> list:
+    """Every layer inside `model` (nested models and layers of layers, any depth), not the model itself:
+    Keras' `Layer._flatten_layers` (keras/src/layers/layer.py); `model.layers` lists the top level only."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
 
 
 def swap_variable_value(keras_variable, new_tf_variable) -> None:

@@ -1,22 +1,30 @@
-"""Parameter-server internals: sharded slots and updates, gradients of sharded Keras variables, Keras' data adapter.
+"""Parameter-server internals: sharded creation, slots and updates, gradients of sharded Keras variables,
+Keras' data adapter.
 
 TF's ParameterServerStrategy splits a variable over the parameter servers as a `ShardedVariable`
-(a container of one `tf.Variable` per server). Keras 3 was never taught about it, in three places:
+(a container of one `tf.Variable` per server). Keras 3 was never taught about it, in four places:
 
+- Keras hands tf.Variable a shapeless lambda, so TF computes the whole initial value on the
+  coordinator and slices it (the whole table in one process);
 - the optimizer creates a slot "colocated with" its variable, and TF never partitions colocated
   variables: Adam's two slots of a sharded embedding table would be whole tables on one server;
-- `extended.update(var, ...)` colocates the update with `var`, which a ShardedVariable refuses;
+- `extended.update(var, ...)` colocates the update with `var`, which a ShardedVariable refuses, and
+  Keras' update math on the container reads every shard into one tensor;
 - Keras' `train_step` calls `tape.gradient(loss, keras_variables)`, which asks every Keras variable for
   its `.handle`; a ShardedVariable has none (one handle per shard).
 
-`PSExtended` fixes the first two in the strategy (slots sharded like their variable; sharded updates
-without colocation), `sharded_gradients()` the third while a tfdist worker function is traced.
+`PSExtended` fixes the first three in the strategy: each shard is initialised by itself on its server
+(tfdist._compat.shard_init), slots are sharded like their variable, and an update runs shard by shard,
+each on the shard's server (Keras' optimizer sees the shard and the same shard of every slot).
+`sharded_gradients()` fixes the fourth while a tfdist worker function is traced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,25 +36,45 @@ from tensorflow.python.distribute import parameter_server_strategy_v2 as _ps_v2
 from tensorflow.python.distribute import sharded_variable as _sharded_variable
 from tensorflow.python.framework import ops as _ops
 
-__all__ = ["DataAdapter", "PSExtended", "ShardedVariable", "init_ps_strategy", "is_sharded", "shards_of",
-           "sharded_gradients"]
+from tfdist._compat import shard_init, shard_updates
 
+__all__ = ["DataAdapter", "PSExtended", "ShardedVariable", "init_ps_strategy", "is_sharded", "sharded_gradients",
+           "sharded_value", "shards_of"]
+
+log = logging.getLogger("tfdist")
 
 
 class ShardedVariable(_sharded_variable.ShardedVariable):
-    """TF's ShardedVariable that NumPy (and so Keras' `.keras`/`.weights.h5` saving) can read whole."""
+    """TF's ShardedVariable that NumPy (and so Keras' `.keras`/`.weights.h5` saving) can read whole, and
+    that knows its row offsets and, for an optimizer slot, the variable it belongs to (`reference`)."""
+
+    def __init__(self, variables, name: str = "ShardedVariable", reference=None):
+        super().__init__(variables, name=name)
+        self._reference = None if reference is None else weakref.ref(reference)
+
+    @property
+    def reference(self):
+        """The sharded variable this one is a slot of (same rows, same servers), or None."""
+        return None if self._reference is None else self._reference()
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(tf.convert_to_tensor(self).numpy(), dtype=dtype)
 
 
-def _backend(v):  # the tf.Variable (or ShardedVariable) behind a Keras variable
-    return v.value if isinstance(v, _KerasVariable) else v
+def _backend(v):  # the tf.Variable (or ShardedVariable) behind a Keras variable, never autocast
+    return v._value if isinstance(v, _KerasVariable) else v
 
 
 def is_sharded(v) -> bool:
     """True for a ShardedVariable or a Keras variable backed by one."""
     return isinstance(_backend(v), _sharded_variable.ShardedVariable)
+
+
+def sharded_value(v) -> ShardedVariable | None:
+    """The ShardedVariable behind `v` (a Keras or TF variable), or None when it is not sharded. Unlike
+    Keras' `v.value` it never casts (a cast under mixed precision would read the whole table)."""
+    b = _backend(v)
+    return b if isinstance(b, _sharded_variable.ShardedVariable) else None
 
 
 def shards_of(v) -> list[tf.Variable]:
@@ -56,41 +84,94 @@ def shards_of(v) -> list[tf.Variable]:
 
 
 class PSExtended(_ps_v2.ParameterServerStrategyV2Extended):
-    """ParameterServerStrategyV2's extended, with slots sharded like their variable and sharded updates."""
+    """ParameterServerStrategyV2's extended, with per-shard initial values, slots sharded like their
+    variable and updates that run shard by shard on the shards' servers."""
 
     def _create_variable(self, next_creator, **kwargs):
         like = kwargs.get("colocate_with")
         if isinstance(like, _sharded_variable.ShardedVariable):
             return self._create_sharded_like(like, next_creator, **kwargs)
+        found = shard_init.keras_initializer(kwargs.get("initial_value")) if like is None else None
+        if found is not None and found[1] and shard_init.for_shard(found[0], found[1], 0) is not None:
+            kwargs = _zeros_per_shard(kwargs, *found)
+        elif found is not None and found[1] and self._splits(found[1], found[2]):
+            log.warning("tfdist: the %s initializer of %s %s has no per-shard form; TensorFlow computes the whole "
+                        "value on the coordinator and sends it to the servers", type(found[0]).__name__,
+                        kwargs.get("name"), found[1])
+            found = None
+        else:
+            found = None
         var = super()._create_variable(next_creator, **kwargs)
         if type(var) is _sharded_variable.ShardedVariable:
+            if found is not None:
+                shard_init.fill(var.variables, *found)
             return ShardedVariable(var.variables, name=var.name)
         return var
 
+    def _splits(self, shape: tuple, dtype) -> bool:
+        """Whether TF's parameter-server strategy will split a variable of this shape over the servers."""
+        if self._variable_partitioner is None:
+            return False
+        return self._variable_partitioner(shape=tf.TensorShape(shape), dtype=tf.as_dtype(dtype))[0] > 1
+
     def _create_sharded_like(self, like: ShardedVariable, next_creator, **kwargs):
-        # A slot of a sharded variable: one shard per shard of `like`, on the same server.
+        # A slot of a sharded variable: one shard per shard of `like`, on the same server, each created as
+        # zeros there and filled there when Keras' initializer has a per-shard form (every built-in slot's).
         kwargs.pop("colocate_with")
         initial = kwargs.pop("initial_value")
         name = kwargs.pop("name", None) or "slot"
-        full = initial() if callable(initial) else initial
-        shards, start = [], 0
+        found = shard_init.keras_initializer(initial)
+        if found is not None and shard_init.for_shard(found[0], found[1], 0) is None:
+            found = None
+        offsets = shard_updates.row_offsets(like)
+        full = None if found else (initial() if callable(initial) else initial)  # whole, on the coordinator
+        shards = []
         for i, part in enumerate(like.variables):
             rows = part.shape[0]
+            value = _zeros((rows, *part.shape[1:]), found[2]) if found else full[offsets[i]:offsets[i] + rows]
             with _ops.device(None), _ops.colocate_with(part):
                 shards.append(super()._create_variable(
-                    next_creator, colocate_with=part, initial_value=full[start:start + rows],
-                    name=f"{name}/part_{i}", **kwargs))
-            start += rows
-        return ShardedVariable(shards, name=name)
+                    next_creator, colocate_with=part, initial_value=value, name=f"{name}/part_{i}", **kwargs))
+        if found:
+            shard_init.fill(shards, *found)
+        return ShardedVariable(shards, name=name, reference=like)
 
     def _update(self, var, fn, args, kwargs, group):
-        if isinstance(var, _sharded_variable.ShardedVariable):
-            # The update reads and writes every shard through the container (each shard's ops run on
-            # its server); there is no single device to colocate with.
-            with _distribute_lib.UpdateContext(None):
+        if not isinstance(var, _sharded_variable.ShardedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        optimizer = shard_updates.keras_optimizer_of(fn)
+        if optimizer is not None and not shard_updates.is_shard_wise(optimizer):
+            shard_updates.warn_whole_update(optimizer, var)
+            with _distribute_lib.UpdateContext(None):  # the whole container at once, as TF would
                 result = fn(var, *self._select_single_value(args), **self._select_single_value(kwargs))
                 return result if group else tf.nest.map_structure(self._local_results, result)
-        return super()._update(var, fn, args, kwargs, group)
+        # One update per shard, colocated with it (so on its server), with the gradient's rows of that shard
+        # and the same shard of every slot; the split of the gradient itself runs where the gradient is.
+        parts = shard_updates.ByShard(var)
+        results = []
+        for i, shard in enumerate(var.variables):
+            shard_args, shard_kwargs = parts.select(args, i), parts.select(kwargs, i)
+            with shard_updates.optimizer_on_shard(optimizer, var, i):
+                results.append(super()._update(shard, fn, shard_args, shard_kwargs, group))
+        return tuple(results)
+
+
+def _zeros(shape: tuple, dtype):
+    # Called inside the shard's creation, under its server's device: the zeros are made there.
+    return lambda: tf.zeros(shape, dtype)
+
+
+def _zeros_per_shard(kwargs: dict, initializer, shape: tuple, dtype) -> dict:
+    """kwargs whose initial value TF can call per shard (`partition_shape`, parameter_server_strategy_v2.py
+    `init_shard_fn`): zeros of the shard's shape, made on its server (filled afterwards, `shard_init.fill`).
+    Called without a partition (a variable placed whole) it is Keras' own initializer, as before."""
+
+    def initial_value(partition_shape=None, partition_offset=None):
+        if partition_shape is None:
+            return initializer(shape, dtype=dtype)
+        return tf.zeros(partition_shape, dtype)
+
+    return {**kwargs, "initial_value": initial_value, "shape": tf.TensorShape(shape), "dtype": tf.as_dtype(dtype)}
 
 
 def init_ps_strategy(strategy, cluster_resolver, variable_partitioner) -> None:

@@ -30,11 +30,13 @@ _UNSUPPORTED = {
 class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous parameter-server training that works with Keras 3 `compile`/`fit`/`evaluate`/callbacks.
 
-    Variables live on the parameter servers (large ones split over them by `variable_partitioner`);
-    the chief coordinates: it schedules each training step on whichever worker is free, and the worker
-    reads the current variables, computes the gradient of its own batch and applies it on the servers
-    without waiting for the others. A slow worker no longer holds everyone back, and a worker that dies
-    only loses its step: the coordinator runs it elsewhere, and the worker, restarted, rejoins.
+    Variables live on the parameter servers (large ones split over them by `variable_partitioner`; an
+    embedding table split so is created, looked up and updated shard by shard on its servers, so it may
+    exceed any one process's memory: docs/parameter-server.md); the chief coordinates: it schedules each
+    training step on whichever worker is free, and the worker reads the current variables, computes the
+    gradient of its own batch and applies it on the servers without waiting for the others. A slow
+    worker no longer holds everyone back, and a worker that dies only loses its step: the coordinator
+    runs it elsewhere, and the worker, restarted, rejoins.
 
     Staleness: a worker's gradient is computed from variables read at the start of its step, and
     others may have updated them since (by at most the number of steps in flight: about one per

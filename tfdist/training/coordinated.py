@@ -9,6 +9,9 @@ strategy)` gives one model (nothing else) three thin wrappers around Keras' own 
   Keras' `fit`, which runs callbacks, history and progress bar as usual;
 - `evaluate(dataset_fn, steps=...)` schedules test steps on the workers the same way; `evaluate(x, y)`
   and `predict(x)` with ordinary data run on the chief, reading the variables from the servers.
+
+`attach` also makes the model give its Embedding layers sharded lookups whenever it is called
+(tfdist.training.sharded_embedding), so a table split over the servers is read row by row, never whole.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tensorflow as tf
 from tfdist._compat import keras_model
 from tfdist._compat.parameter_server import sharded_gradients
 from tfdist.errors import ConfigError
+from tfdist.training import sharded_embedding
 from tfdist.training.per_worker_data import PerWorkerDataset
 
 __all__ = ["ParameterServerLost", "ScheduledSteps", "attach"]
@@ -41,6 +45,9 @@ class ScheduledSteps:
     the chief from queueing a whole epoch ahead, and gives the progress bar numbers at most that many
     steps old). The last call of an epoch waits for every scheduled step (`coordinator.join()`), so
     Keras reads the epoch's final metrics and callbacks see finished work.
+
+    `graphs` holds the graph of every trace of the worker function (normally one), to inspect what a
+    step runs where (op devices and shapes).
     """
 
     def __init__(self, step_function, strategy, coordinator, *, steps_per_call: int, calls_per_epoch: int,
@@ -49,9 +56,11 @@ class ScheduledSteps:
         self.in_flight: collections.deque = collections.deque()
         self.calls = 0
         self.logs: dict = {}
+        self.graphs: list[tf.Graph] = []
 
         @tf.function
         def worker_fn(iterator):
+            self.graphs.append(tf.compat.v1.get_default_graph())  # runs once per trace: the FuncGraph
             outputs = None
             for _ in range(steps_per_call):
                 outputs = strategy.run(step_function, args=(next(iterator),))
@@ -132,6 +141,7 @@ def attach(model: keras.Model, strategy, *, max_in_flight: int | None = None) ->
             functools.partial(wrapper, strategy=strategy, stock=getattr(cls, name), max_in_flight=in_flight))
         object.__setattr__(model, name, types.MethodType(method, model))
     _attached[model] = strategy
+    sharded_embedding.attach_on_call(model)  # its layers do not exist yet: they are attached when it runs
 
 
 def _scheduled(model, strategy, step_function, steps: int, max_in_flight: int) -> ScheduledSteps:

@@ -39,7 +39,7 @@ class _PerWorkerInput(tf.distribute.DistributedDataset):
     """What Keras' epoch iterator holds: iterating it gives the coordinator's per-worker iterator, created
     once (across epochs) so every worker keeps its place in its own pipeline."""
 
-    def __init__(self, owner: "PerWorkerDataset"):
+    def __init__(self, owner: PerWorkerDataset):
         self._owner = owner
 
     def __iter__(self):
@@ -50,7 +50,7 @@ class _Batches:
     """The per-worker iterator, plus one batch made on the chief (Keras builds the model and its metrics
     symbolically from one batch before training; it only reads shapes and dtypes)."""
 
-    def __init__(self, owner: "PerWorkerDataset", per_worker_iterator):
+    def __init__(self, owner: PerWorkerDataset, per_worker_iterator):
         self.owner, self.per_worker_iterator = owner, per_worker_iterator
 
     def __iter__(self):
