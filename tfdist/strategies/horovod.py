@@ -9,19 +9,27 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
+from tfdist._compat.fused_flags import with_step_flags
 from tfdist.cluster.env import launched_by, local_device_count
-from tfdist.comm.horovod import CPU_FUSION_THRESHOLD_MB, HorovodAllReduce, check_options, init_horovod
+from tfdist.comm.horovod import (
+    CPU_FUSION_THRESHOLD_MB,
+    HorovodAllReduce,
+    check_options,
+    init_horovod,
+)
 from tfdist.comm.horovod_group import HorovodGroup
 from tfdist.devices import process_devices
 from tfdist.errors import ConfigError
 from tfdist.strategies.data_parallel import DataParallel
+from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.training.uneven import check_mode
 
 __all__ = ["HorovodStrategy", "launched_by"]
 
 log = logging.getLogger(__name__)
 
 
-class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
+class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.MirroredStrategy):
     """Data parallelism across processes with Horovod, for the ordinary Keras 3 path.
 
     A MirroredStrategy over this process's devices whose cross-device ops reduce over the local
@@ -40,6 +48,9 @@ class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
     - `strategy.reduce` and Keras' epoch-end metrics are reduced across processes (metric states
       are summed over all ranks, so `History` and `evaluate` report global values on every rank).
       These are collectives: call them on every rank, never in a rank-0-only branch.
+    - ranks may have datasets of different lengths (`distribute_datasets_from_function` with a user's
+      own sharding): every rank agrees at each step whether it happens (`uneven_data`), so `fit` ends
+      the epoch together on every rank instead of hanging.
 
     Args:
         local_devices: this process's devices, or None: its own GPU(s) (by local rank), else the
@@ -59,6 +70,14 @@ class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
             BackupAndRestore and `tfdist.training.save_model` do that; a bare `model.save` on rank 0
             alone is refused with a ConfigError instead of hanging).
         offload: keep the owned optimizer shards in host memory (needs zero_stage 1 or 2).
+        uneven_data: what happens when the ranks' datasets end at different steps: 'stop' (default: every
+            rank ends the epoch where the shortest rank's data ends) or 'join' (ranks without data take
+            steps with empty batches until every rank's data ends; the gradient is the mean over the real
+            examples). The agreement rides along with the gradient all-reduce (op='average', no
+            compression) or is a small all-reduce per step otherwise. See docs/uneven-data.md.
+        reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
+            pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
+            behaviour (a new iterator per epoch and per validation).
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -90,9 +109,13 @@ class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
         require_launcher: bool = False,
         zero_stage: int = 0,
         offload: bool = False,
+        uneven_data: str = "stop",
+        reuse_input_iterators: bool = True,
     ):
         check_options(compression, op)
         self._check_zero_options(zero_stage, offload)
+        check_mode(uneven_data)
+        self.reuse_input_iterators = bool(reuse_input_iterators)
         if require_launcher and launched_by() is None:
             raise ConfigError(
                 "HorovodStrategy(require_launcher=True): this process was not started by a Horovod/MPI "
@@ -120,9 +143,12 @@ class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
         if launched_by() is None and self.size == 1:
             log.info("HorovodStrategy: no launcher found; running as a one-process job over %s.", devices)
         ops = HorovodAllReduce(self.size, self.size * len(devices), compression=compression, op=op)
-        tf_distribute.init_strategy(self, lambda: tf_distribute.MultiProcessExtended(self, devices, ops, group))
+        extended = with_step_flags(tf_distribute.MultiProcessExtended)
+        tf_distribute.init_strategy(self, lambda: extended(self, devices, ops, group))
         self.compression, self.op = compression, op
         self._register_sharding(self._shard_collectives)
+        # The flags ride along with the gradients only where their floats are summed exactly.
+        self._attach_uneven_data(uneven_data, fused=op == "average" and compression is None)
 
     def _shard_collectives(self):
         from tfdist.comm.horovod_shards import HorovodShardCollectives
@@ -139,4 +165,5 @@ class HorovodStrategy(DataParallel, tf.distribute.MirroredStrategy):
     def __repr__(self) -> str:
         return (f"HorovodStrategy(rank={self.rank}, size={self.size}, local_devices={self.extended.worker_devices}, "
                 f"compression={self.compression!r}, op={self.op!r}"
-                + (f", zero_stage={self.zero_stage}" if self.zero_stage else "") + ")")
+                + (f", zero_stage={self.zero_stage}" if self.zero_stage else "")
+                + f", uneven_data={self.uneven_data!r})")

@@ -20,11 +20,12 @@ from tfdist.placement.balance import measure_stage_costs
 from tfdist.placement.pipeline import check_batch, pipeline_model_call
 from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 from tfdist.placement.streams import StageStreams
+from tfdist.strategies.input_reuse import ReusedInputIterators
 
 __all__ = ["LayerPlacementStrategy"]
 
 
-class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
+class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy):
     """Splits a Keras model by layers over devices (pipeline stages), for the ordinary Keras path.
 
     Each layer's variables live on its stage's device, its forward and backward ops run there,
@@ -35,7 +36,8 @@ class LayerPlacementStrategy(tf.distribute.MirroredStrategy):
 
     Build the model inside `scope()`. It is placed on its first fit/evaluate/predict step (or
     by `strategy.place(model)`, e.g. to look at the plan first); placing moves its variables and
-    any optimizer slots already built, so it works after `compile`.
+    any optimizer slots already built, so it works after `compile`. Like `tfdist.MirroredStrategy`, it keeps
+    one input iterator per distributed dataset (`tfdist.strategies.input_reuse`; `reuse_input_iterators`).
 
     Args:
         devices: device names, or None for all local devices (GPUs, else logical CPUs).

@@ -11,11 +11,12 @@ from tfdist.comm import cross_device_ops_from
 from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.devices import resolve_devices
 from tfdist.strategies.data_parallel import DataParallel
+from tfdist.strategies.input_reuse import ReusedInputIterators
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(DataParallel, tf.distribute.MirroredStrategy):
+class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism over the local devices, for the ordinary Keras 3 path.
 
     A drop-in `tf.distribute.MirroredStrategy` that also:
@@ -28,6 +29,10 @@ class MirroredStrategy(DataParallel, tf.distribute.MirroredStrategy):
       with `zero_stage`, for any element-wise Keras optimizer, with `model.compile`/`fit` unchanged.
       Checkpoints still hold the full logical optimizer state, loadable at any replica count and in
       plain Keras. Gradient clipping then uses the norms of the summed (global) gradient.
+    - keeps one input iterator per distributed dataset and rewinds it for each epoch (`reuse_input_iterators`):
+      stock MirroredStrategy builds a multi-device iterator per epoch and per validation, and tearing the old
+      one down waits for tf.data's autotune threads — first steps of 1-19 s after each validation (issue 18).
+      One distributed dataset then has one iterator at a time (see `tfdist.strategies.input_reuse`).
 
     Args:
         devices: device names such as `['/gpu:0', '/gpu:1']`, or None for all local devices.
@@ -37,6 +42,9 @@ class MirroredStrategy(DataParallel, tf.distribute.MirroredStrategy):
             as flat even shards) or 2 (and keeps only its 1/N of the summed gradient).
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in
             host memory instead of on the replica's device.
+        reuse_input_iterators: True (default): distributed datasets keep one iterator, rewound per pass, and run
+            their input pipelines without tf.data autotuning unless the dataset's options set
+            `autotune.enabled`; False: TF's behaviour (a new iterator per pass).
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -62,8 +70,10 @@ class MirroredStrategy(DataParallel, tf.distribute.MirroredStrategy):
         cross_device_ops: tf.distribute.CrossDeviceOps | str | None = None,
         zero_stage: int = 0,
         offload: bool = False,
+        reuse_input_iterators: bool = True,
     ):
         self._check_zero_options(zero_stage, offload)
+        self.reuse_input_iterators = bool(reuse_input_iterators)
         devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
         tf_distribute.init_strategy(
             self, lambda: tf_distribute.MirroredExtended(self, devices=devices, cross_device_ops=ops))

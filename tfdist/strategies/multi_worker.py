@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import tf_runtime
+from tfdist._compat.fused_flags import with_step_flags
 from tfdist.cluster.env import local_device_count
 from tfdist.cluster.faults import install_excepthook, startup_watchdog
 from tfdist.cluster.peers import cluster_config_of, startup_error, wait_for_peers
@@ -16,6 +17,8 @@ from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.devices import kind_and_indices, process_devices
 from tfdist.errors import ConfigError, InitOrderError
 from tfdist.strategies.data_parallel import DataParallel
+from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.training.uneven import check_mode
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -26,7 +29,7 @@ _COMMUNICATION = {
 }
 
 
-class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism across processes (TF_CONFIG), for the ordinary Keras 3 path.
 
     A `tf.distribute.MultiWorkerMirroredStrategy` that also:
@@ -38,7 +41,10 @@ class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirrore
     - bounds every wait by `timeout_s`: a peer that never starts gives a ConfigError naming it, a
       peer that dies mid-training aborts the collectives of the others with an error naming the lost
       task (coordination-service heartbeat), and a collective stuck longer than `timeout_s` fails;
-    - checks TF_CONFIG and local devices, with errors that say what came and what would work.
+    - checks TF_CONFIG and local devices, with errors that say what came and what would work;
+    - lets workers have datasets of different lengths (`distribute_datasets_from_function` with a user's
+      own sharding): every worker agrees at each step whether it happens (`uneven_data`), so `fit` ends
+      the epoch together on every worker instead of failing in a collective.
 
     Create it first thing in the program, before any TensorFlow op (collectives must be configured
     at start-up); start the workers with `tfdist launch -n N -- python train.py`.
@@ -56,6 +62,14 @@ class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirrore
             logical optimizer state; every worker takes part in saving it (see tfdist.training.save_model).
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in the
             worker's host memory instead of on the replica's device.
+        uneven_data: what happens when the workers' datasets end at different steps: 'stop' (default:
+            every worker ends the epoch where the shortest worker's data ends) or 'join' (workers without
+            data take steps with empty batches until every worker's data ends; the gradient is the mean
+            over the real examples). The agreement rides along with the gradient all-reduce. See
+            docs/uneven-data.md.
+        reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
+            pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
+            behaviour (a new iterator per epoch and per validation).
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -87,8 +101,12 @@ class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirrore
         heartbeat_s: float | None = None,
         zero_stage: int = 0,
         offload: bool = False,
+        uneven_data: str = "stop",
+        reuse_input_iterators: bool = True,
     ):
         self._check_zero_options(zero_stage, offload)
+        check_mode(uneven_data)
+        self.reuse_input_iterators = bool(reuse_input_iterators)
         if communication not in _COMMUNICATION:
             raise ConfigError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -119,12 +137,13 @@ class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirrore
         # TF's coordination leader waits for missing peers without a deadline: bound it from outside.
         with startup_watchdog(self.timeout_s + 15.0, lambda: str(self._startup_error(None))):
             try:
-                tf_distribute.init_strategy(self, lambda: tf_distribute.CollectiveExtended(
-                    self, cluster_resolver, options, kind, indices))
+                extended = with_step_flags(tf_distribute.CollectiveExtended)
+                tf_distribute.init_strategy(self, lambda: extended(self, cluster_resolver, options, kind, indices))
             except (tf.errors.OpError, RuntimeError) as err:
                 raise self._startup_error(err) from None
         install_excepthook(config)
         self._register_sharding(self._shard_collectives, host_device=self._host_device())
+        self._attach_uneven_data(uneven_data, fused=True)  # TF sums the gradients' float32 pack exactly
 
     @property
     def cluster_config(self) -> ClusterConfig | None:
@@ -151,10 +170,6 @@ class MultiWorkerMirroredStrategy(DataParallel, tf.distribute.MultiWorkerMirrore
 
             return TFShardCollectives(self, timeout_s=self.timeout_s)
         return LocalCollectives(list(self.extended.worker_devices))  # one worker: plain device copies
-
-    def _host_device(self) -> str:
-        first = tf.DeviceSpec.from_string(self.extended.worker_devices[0])
-        return first.replace(device_type="CPU", device_index=0).to_string()
 
     def _startup_error(self, err: Exception | None) -> Exception:
         config = self._cluster_config
