@@ -122,14 +122,19 @@ class UnevenData:
         now = tf.cond(fresh, lambda: tf.cast(state[_AGREED:_AGREED + 2], tf.int64), lambda: self._sum_over_ranks(here))
         fused = tf.cast(fresh, tf.float32)
         ahead = tf.concat([tf.cast(tf.maximum(lookahead, 0), tf.float32), tf.cast(lookahead[:1] < 0, tf.float32)], 0)
-        self._state.assign(tf.concat([tf.zeros([3]), ahead, state[_COUNTS:] + tf.stack([fused, 1 - fused])], 0))
+        updates = [self._state.assign(
+            tf.concat([tf.zeros([3]), ahead, state[_COUNTS:] + tf.stack([fused, 1 - fused])], 0))]
         if mode == "stop":  # every replica has data: the losses keep Keras' own weights
-            self._weights.assign(tf.ones([self.local_replicas]))
-            return now[0] >= self.num_replicas
-        go = now[0] > 0
-        share = tf.cast(rows, tf.float32) * (self.num_replicas / tf.cast(tf.maximum(now[1], 1), tf.float32))
-        self._weights.assign(tf.where(go, share, 1.0))  # after the last step: 1 again, for whatever runs next
-        return go
+            updates.append(self._weights.assign(tf.ones([self.local_replicas])))
+            go = now[0] >= self.num_replicas
+        else:
+            go = now[0] > 0
+            share = tf.cast(rows, tf.float32) * (self.num_replicas / tf.cast(tf.maximum(now[1], 1), tf.float32))
+            updates.append(self._weights.assign(tf.where(go, share, 1.0)))  # after the last step: 1 again
+        # A "no" ends the epoch with an OutOfRangeError raised inside the step's function, which cancels the ops
+        # still pending: the decision is handed out only once the state it wrote is written.
+        with tf.control_dependencies(updates):
+            return tf.identity(go)
 
     def agreements(self) -> dict[str, int]:
         """How the steps so far were agreed: "fused" (with the previous step's gradient all-reduce) or
