@@ -179,7 +179,7 @@ def test_offload_matches_and_places_state_on_host():
 
 
 # --- bad input -------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [3, -1, "1", 1.0, True, None])
+@pytest.mark.parametrize("bad", [4, -1, "1", 1.0, True, None])
 def test_unsupported_stage_lists_supported_set(bad):
     with pytest.raises(ConfigError, match=r"not supported.*\{0, 1, 2\}"):
         tfdist.MirroredStrategy(zero_stage=bad)

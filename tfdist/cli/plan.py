@@ -96,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--optimizer: Keras has no optimizer {args.optimizer!r}; try adam, sgd, "
                               "rmsprop, adagrad, adamw.") from None
     opt_name, state_bytes = _state_bytes_per_param(optimizer)
-    stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2)}
+    stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2, 3)}
     limit = args.device_memory * 1e9 if args.device_memory else None
     fits = {s: (limit is None or f["total"] <= limit) for s, f in stages.items()}
-    smallest = next((s for s in (0, 1, 2) if fits[s]), None)
+    smallest = next((s for s in (0, 1, 2, 3) if fits[s]), None)
 
     gb = lambda b: f"{b / 1e9:10.3f}"  # noqa: E731
     print(f"{num_params:,} trainable parameters, {args.replicas} replicas, {opt_name} "
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     print("activations and framework overhead come on top of these.")
     if limit is not None:
         if smallest is None:
-            print(f"no stage fits {args.device_memory:g} GB: parameters alone need "
-                  f"{stages[2]['params'] / 1e9:.3f} GB (ZeRO-3 / model parallelism needed).")
+            print(f"no stage fits {args.device_memory:g} GB: even ZeRO-3 needs {stages[3]['total'] / 1e9:.3f} GB "
+                  "per replica (more replicas, offload or model parallelism needed).")
         else:
             print(f"smallest stage that fits {args.device_memory:g} GB: ZeRO-{smallest} "
                   f"(tfdist.MirroredStrategy(zero_stage={smallest}))")

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tfdist.placement.balance import block_partition, measure_layer_times
+from tfdist.placement.layout_map import LayoutMap
+from tfdist.placement.mesh import DeviceMesh
 from tfdist.placement.plan import LayerInfo, StagePlan, describe_model, make_plan
 
-__all__ = ["LayerInfo", "StagePlan", "block_partition", "describe_model", "executed_devices", "layer_graph",
+__all__ = ["DeviceMesh", "LayerInfo", "LayoutMap", "StagePlan", "block_partition", "describe_model", "executed_devices",
+           "layer_graph",
            "make_plan", "measure_layer_times"]
 
 

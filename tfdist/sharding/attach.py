@@ -11,21 +11,25 @@ created in that scope carry the hook on their own instance, for builds outside t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Iterator
 
 import keras
 import tensorflow as tf
 
-from tfdist._compat import keras_optimizer
+from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
-from tfdist.sharding.config import ZeroConfig
+from tfdist.sharding.config import ZeroConfig, check_unit_bytes
 from tfdist.sharding.zero import ZeroEngine, tf_variable
+from tfdist.sharding.zero3 import enable_stage3
 
-__all__ = ["building_optimizers", "cross_process_engine", "engine_of", "gathered_state", "register_strategy"]
+__all__ = ["building_optimizers", "configure_stage3", "cross_process_engine",
+           "engine_of", "gathered_state", "register_strategy"]
 
 _strategies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # strategy -> ZeroConfig | None
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ZeroEngine
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage-3 strategy -> WeakSet of its models
 
 
 def register_strategy(strategy: tf.distribute.Strategy, config: ZeroConfig | None) -> None:
@@ -34,7 +38,41 @@ def register_strategy(strategy: tf.distribute.Strategy, config: ZeroConfig | Non
     Every registered strategy, even at stage 0, gets the clear error for an optimizer created
     outside its scope.
     """
+    if config is not None and config.stage == 3 and not config.collectives.all_local:
+        raise ConfigError("zero_stage=3 is supported within one process (tfdist.MirroredStrategy) only so far; "
+                          "supported stages across processes are {0, 1, 2}.")
     _strategies[strategy] = config
+
+
+def configure_stage3(strategy: tf.distribute.Strategy, *, unit_bytes: int | None = None,
+                     reshard_after_forward: bool = True, prefetch: bool = False) -> None:
+    """Sets ZeRO stage 3's options on a `zero_stage=3` strategy. Call it before the model's optimizer
+    is built (before the first `fit`).
+
+    - `unit_bytes` (the wrap policy): a layer whose trainable weights (its sublayers' included) total
+      at most `unit_bytes` bytes is gathered as one unit; None (the default) makes every layer that
+      owns weights its own unit.
+    - `reshard_after_forward`: True (the default) frees each unit's gathered parameters after its
+      forward and gathers them again for its backward; False keeps them until the backward (one
+      all-gather per unit and step instead of two, all units' parameters in memory at the peak).
+    - `prefetch`: True issues each unit's all-gather when the unit before it (in forward, then
+      backward order) starts, so it can overlap that unit's compute; False (the default) waits for
+      the unit's own inputs (or output gradients), which holds fewer gathered units at once.
+
+    Example:
+        >>> strategy = tfdist.MirroredStrategy(zero_stage=3)
+        >>> tfdist.sharding.configure_stage3(strategy, unit_bytes=4 * 2**20)   # blocks up to 4 MiB
+    """
+    for name, flag in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}.")
+    config = _strategies.get(strategy)
+    if config is None or config.stage != 3:
+        stage = 0 if config is None else config.stage
+        check_unit_bytes(unit_bytes, stage)  # a bad value first, then the stage
+        raise ConfigError(f"configure_stage3 needs a tfdist strategy created with zero_stage=3 (got stage {stage}).")
+    _strategies[strategy] = dataclasses.replace(config, unit_bytes=check_unit_bytes(unit_bytes),
+                                                reshard_after_forward=reshard_after_forward, prefetch=prefetch)
 
 
 def engine_of(optimizer_or_model) -> ZeroEngine | None:
@@ -81,13 +119,26 @@ def gathered_state(model_or_optimizer) -> Iterator[None]:
         yield
 
 
-def building_optimizers():
+@contextlib.contextmanager
+def building_optimizers() -> Iterator[None]:
     """A context in which Keras optimizers built for a registered strategy get their ZeRO engine.
 
     Optimizers created inside it for a registered strategy keep the build hook on their instance,
-    so `optimizer.build(...)` called later outside the scope shards them too.
+    so `optimizer.build(...)` called later outside the scope shards them too. Under a zero_stage=3
+    strategy, Keras models created inside it are also recorded (stage 3 wraps their layers when
+    their optimizer is built).
     """
-    return keras_optimizer.optimizer_hooks(_on_build, _on_create)
+    config = _strategies.get(tf.distribute.get_strategy())
+    models = keras_model.model_hooks(_on_model_create) if config is not None and config.stage == 3 \
+        else contextlib.nullcontext()
+    with keras_optimizer.optimizer_hooks(_on_build, _on_create), models:
+        yield
+
+
+def _on_model_create(model) -> None:
+    strategy = tf.distribute.get_strategy()
+    if strategy in _strategies:
+        _models.setdefault(strategy, weakref.WeakSet()).add(model)
 
 
 def _on_create(optimizer) -> None:
@@ -111,4 +162,18 @@ def _on_build(optimizer, variables) -> None:
     config = _strategies[target]
     if config is None or config.stage == 0:
         return
+    if config.stage == 3:
+        _engines[optimizer] = enable_stage3(optimizer, list(variables), config, _model_of(target, variables))
+        return
     _engines[optimizer] = ZeroEngine(optimizer, list(variables), config)
+
+
+def _model_of(strategy, variables):
+    """The model created in `strategy`'s scope that holds `variables` (stage 3 wraps its layers)."""
+    wanted = {id(v) for v in variables}
+    for model in list(_models.get(strategy, ())):
+        if wanted <= {id(v) for v in model.trainable_variables}:
+            return model
+    raise ConfigError("zero_stage=3 shards the parameters of a Keras model created inside the strategy's scope; "
+                      "the optimizer is being built for variables of no such model. Create the model (and "
+                      "compile it) inside `with strategy.scope():`.")

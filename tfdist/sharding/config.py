@@ -10,10 +10,11 @@ import numpy as np
 from tfdist.comm.shard_collectives import ShardCollectives
 from tfdist.errors import ConfigError
 
-__all__ = ["SUPPORTED_STAGES", "ZeroConfig", "check_options", "check_stage", "refusal", "register_elementwise",
+__all__ = ["SUPPORTED_STAGES", "ZeroConfig", "check_options", "check_unit_bytes",
+           "check_stage", "refusal", "register_elementwise",
            "sharded_optimizer_names"]
 
-SUPPORTED_STAGES = (0, 1, 2)
+SUPPORTED_STAGES = (0, 1, 2)  # every data-parallel strategy; stage 3 where the strategy says it runs
 
 # Optimizers whose update of one element depends only on that element's gradient, state and
 # scalars: running them on a flat shard of the concatenated variables gives exactly the
@@ -71,24 +72,58 @@ class ZeroConfig:
     offload: bool
     collectives: ShardCollectives
     host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0"
+    #: stage 3: a layer whose trainable weights total at most this many bytes is gathered as one unit with
+    #: all its sublayers (None: every layer that owns weights is its own unit); see `check_unit_bytes`
+    unit_bytes: int | None = None
+    #: stage 3: False keeps each unit's gathered parameters from its forward until its backward (one
+    #: all-gather per unit and step instead of two; the gathered parameters of every unit stay in memory)
+    reshard_after_forward: bool = True
+    #: stage 3: issue each unit's all-gather when the unit before it (in forward or backward order) starts
+    prefetch: bool = False
 
 
-def check_stage(zero_stage) -> int:
+def check_unit_bytes(fsdp_unit_bytes, zero_stage: int = 3) -> int | None:
+    """Validates `fsdp_unit_bytes` (ZeRO stage 3's size-based wrap policy): None or a positive int.
+
+    Example:
+        >>> check_unit_bytes(2**20)
+        1048576
+    """
+    if fsdp_unit_bytes is None:
+        return None
+    if isinstance(fsdp_unit_bytes, bool) or not isinstance(fsdp_unit_bytes, (int, np.integer)) \
+            or int(fsdp_unit_bytes) <= 0:
+        raise ConfigError(f"fsdp_unit_bytes must be a positive number of bytes (a layer whose weights total at most "
+                          f"this many is gathered as one ZeRO-3 unit with its sublayers) or None (one unit per "
+                          f"layer), got {fsdp_unit_bytes!r}.")
+    if zero_stage != 3:
+        raise ConfigError(f"fsdp_unit_bytes={fsdp_unit_bytes} groups the parameters ZeRO stage 3 gathers; it needs "
+                          f"zero_stage=3 (got zero_stage={zero_stage}).")
+    return int(fsdp_unit_bytes)
+
+
+def check_stage(zero_stage, stages: tuple[int, ...] = SUPPORTED_STAGES) -> int:
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
-            or int(zero_stage) not in SUPPORTED_STAGES:
-        hint = (" Stage 3 (partitioned parameters) is not supported: parameters stay replicated."
-                if zero_stage == 3 else "")
+            or int(zero_stage) not in stages:
+        hint = (" Stage 3 (partitioned parameters) is supported on tfdist.MirroredStrategy (one process) only "
+                "so far." if zero_stage == 3 and 3 not in stages else "")
+        also = ", and 3 (parameters sharded too) on this strategy" if 3 in stages else ""
         raise ConfigError(f"zero_stage={zero_stage!r} is not supported; supported stages are "
                           f"{set(SUPPORTED_STAGES)} (0: plain data parallel, 1: optimizer state sharded, "
-                          f"2: optimizer state and gradients sharded).{hint}")
+                          f"2: optimizer state and gradients sharded){also}.{hint}")
     return int(zero_stage)
 
 
-def check_options(zero_stage, offload) -> tuple[int, bool]:
-    """Validates a strategy's `zero_stage` and `offload` arguments; returns them normalised."""
-    stage = check_stage(zero_stage)
+def check_options(zero_stage, offload, stages: tuple[int, ...] = SUPPORTED_STAGES) -> tuple[int, bool]:
+    """Validates a strategy's `zero_stage` and `offload` arguments; returns them normalised.
+
+    `stages`: the stages the strategy runs (stage 3, parameters sharded too, only where it says so).
+    """
+    stage = check_stage(zero_stage, stages)
     if not isinstance(offload, bool):
         raise ConfigError(f"offload must be True or False, got {offload!r}.")
     if offload and stage == 0:
         raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
+    if offload and stage == 3:
+        raise ConfigError("offload=True is not supported with zero_stage=3 yet; it needs zero_stage=1 or 2.")
     return stage, offload

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.sharding.attach import engine_of
+from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.logical_slot import LogicalSlot
 
 __all__ = ["zero_formula", "MemoryReport", "ReplicaMemory", "memory_report"]
@@ -19,14 +20,15 @@ def zero_formula(num_params: int, replicas: int, stage: int, *, state_bytes: int
     """Bytes per replica for `num_params` (Ψ) parameters: params, gradients, optimizer state, total.
 
     Defaults are fp32 Keras variables with Adam (state 8 bytes per parameter): DP = 16Ψ,
-    ZeRO-1 = 8Ψ + 8Ψ/N, ZeRO-2 = 4Ψ + 12Ψ/N (arXiv 1910.02054, with K = state bytes).
+    ZeRO-1 = 8Ψ + 8Ψ/N, ZeRO-2 = 4Ψ + 12Ψ/N, ZeRO-3 = 16Ψ/N (arXiv 1910.02054, with K = state bytes);
+    stage 3 needs the gathered parameters of the units in flight on top (`MemoryReport.gathered_units`).
 
     Example:
         >>> zero_formula(1_000_000, 4, 2)["total"]
         7000000.0
     """
     n = replicas
-    params = float(param_bytes * num_params)
+    params = float(param_bytes * num_params) / (n if stage >= 3 else 1)
     grads = float(grad_bytes * num_params) / (n if stage >= 2 else 1)
     state = float(state_bytes * num_params) / (n if stage >= 1 else 1)
     return {"params": params, "gradients": grads, "optimizer_state": state, "total": params + grads + state}
@@ -58,6 +60,8 @@ class MemoryReport:
     rows: list[ReplicaMemory] = field(default_factory=list)
     formula: dict[str, float] = field(default_factory=dict)
     gradients_source: str = ""
+    #: stage 3: bytes of the two largest units' gathered parameters (held during their forward/backward)
+    gathered_units: int = 0
 
     def max_over_replicas(self, what: str) -> int:
         return max(getattr(r, what) or 0 for r in self.rows)
@@ -79,6 +83,9 @@ class MemoryReport:
         lines.append(f"{'formula (per replica)':44s} {mb(f['params'])} {mb(f['gradients'])} "
                      f"{mb(f['optimizer_state'])} {'':9s}")
         lines.append(f"gradients: {self.gradients_source}")
+        if self.stage >= 3:
+            lines.append(f"stage 3: + {self.gathered_units / 2**20:.3f} MiB of gathered parameters "
+                         "(the two largest units) while they run")
         return "\n".join(lines)
 
 
@@ -92,6 +99,8 @@ def _canon(device: str) -> str:
 
 def _components(strategy, variable) -> list:
     value = getattr(variable, "value", variable)
+    if isinstance(value, FsdpParam):  # stage 3: one piece per replica
+        return list(value.components)
     if isinstance(value, tf.distribute.DistributedValues):
         return list(strategy.experimental_local_results(value))
     return [value]
@@ -154,4 +163,6 @@ def memory_report(strategy, model) -> MemoryReport:
     report = MemoryReport(stage=stage, replicas=replicas, num_params=num_params, state_bytes_per_param=state_bytes,
                           rows=list(rows.values()), gradients_source=source)
     report.formula = zero_formula(num_params, replicas, stage, state_bytes=state_bytes)
+    units = sorted((u.gathered_bytes for u in getattr(engine, "units", ())), reverse=True)
+    report.gathered_units = sum(units[:2])
     return report

@@ -50,7 +50,7 @@ class ZeroEngine:
         self._check(optimizer, variables)
         self.variables = list(variables)
         self.dtype = tf.as_dtype(variables[0].dtype)
-        self.layout = FlatLayout([tuple(v.shape) for v in variables], self.comm.num_shards)
+        self.layout = self._make_layout([tuple(v.shape) for v in variables])
         # Stage 1 promises stage 0's weights bit for bit, so it reduces with stage 0's all-reduce
         # and then all-gathers: 1.5x data parallel's traffic. With two replicas a reduce-scatter
         # adds the same two numbers (x0 + x1 == x1 + x0 in IEEE arithmetic), so stage 1 takes it
@@ -83,6 +83,10 @@ class ZeroEngine:
                 return i
         raise ConfigError(f"ZeRO: {_name(variable)} is not one of the variables optimizer "
                           f"{self.optimizer.name!r} was built with.")
+
+    def _make_layout(self, shapes: list) -> FlatLayout:
+        """How the state is cut into shards (stage 3 cuts each variable instead of the concatenation)."""
+        return FlatLayout(shapes, self.comm.num_shards)
 
     @property
     def optimizer(self):
@@ -212,6 +216,12 @@ class ZeroEngine:
                     flats.append(tf.concat(parts, 0))
             shards = comm.reduce_scatter_flat(flats)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
+        self._apply_shards(shards, params, lrs)
+
+    def _apply_shards(self, shards: list, params: list, lrs: list) -> None:
+        """Cross-replica context: the reduced gradient shards (one per local replica) through
+        accumulation, clipping, decay, the update and EMA; `params[j][i]` is local replica i's copy of
+        variable j (its piece of it at stage 3)."""
         opt = self.optimizer
         # Keras' own counter and update-step rule: with accumulation, `iterations` counts updates.
         iterations = opt.iterations

@@ -36,11 +36,12 @@ class DataParallel:
 
     zero_stage: int = 0
     offload: bool = False
+    zero_stages: tuple[int, ...] = sharding.SUPPORTED_STAGES  # the ZeRO stages this strategy runs
     uneven_data: str = "stop"
     _uneven: UnevenData | None = None
 
     def _check_zero_options(self, zero_stage, offload) -> None:
-        self.zero_stage, self.offload = sharding.check_options(zero_stage, offload)
+        self.zero_stage, self.offload = sharding.check_options(zero_stage, offload, stages=self.zero_stages)
 
     def _register_sharding(self, make_collectives: Callable[[], ShardCollectives], host_device: str | None = None):
         config = None

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tfdist import sharding
 from tfdist._compat import distribute as tf_distribute
 from tfdist.comm import cross_device_ops_from
 from tfdist.comm.shard_collectives import LocalCollectives
@@ -39,9 +40,16 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         cross_device_ops: None (TF's collective all-reduce), a `tf.distribute.CrossDeviceOps`, or
             one of 'collective', 'reduce_to_one', 'hierarchical_copy', 'nccl'.
         zero_stage: 0 (every replica holds all optimizer state), 1 (each replica holds 1/N of it,
-            as flat even shards) or 2 (and keeps only its 1/N of the summed gradient).
+            as flat even shards), 2 (and keeps only its 1/N of the summed gradient) or 3 (and 1/N of the
+            parameters, gathered per layer for its forward and backward: FSDP; see docs/zero.md).
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in
             host memory instead of on the replica's device.
+        fsdp_unit_bytes: zero_stage 3: a layer whose weights (its sublayers' included) total at most this many
+            bytes is gathered as one unit; None (default): every layer that owns weights is its own unit.
+        reshard_after_forward: zero_stage 3: True (default) frees each unit's gathered parameters after its
+            forward and gathers them again for its backward; False keeps them (less traffic, more memory).
+        fsdp_prefetch: zero_stage 3: issue each unit's all-gather when the unit before it starts (default
+            False: when its own inputs exist, which holds fewer gathered units at once).
         reuse_input_iterators: True (default): distributed datasets keep one iterator, rewound per pass, and run
             their input pipelines without tf.data autotuning unless the dataset's options set
             `autotune.enabled`; False: TF's behaviour (a new iterator per pass).
@@ -64,6 +72,8 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         >>> print(zero.memory_report(model))             # bytes per replica, read from the variables
     """
 
+    zero_stages = (0, 1, 2, 3)  # stage 3 (parameters sharded too) runs in one process so far
+
     def __init__(
         self,
         devices: Sequence[str] | None = None,
@@ -71,10 +81,17 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         zero_stage: int = 0,
         offload: bool = False,
         reuse_input_iterators: bool = True,
+        fsdp_unit_bytes: int | None = None,
+        reshard_after_forward: bool = True,
+        fsdp_prefetch: bool = False,
     ):
         self._check_zero_options(zero_stage, offload)
+        sharding.check_unit_bytes(fsdp_unit_bytes, self.zero_stage)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
         tf_distribute.init_strategy(
             self, lambda: tf_distribute.MirroredExtended(self, devices=devices, cross_device_ops=ops))
         self._register_sharding(lambda: LocalCollectives(self.extended.worker_devices))
+        if self.zero_stage == 3:
+            sharding.configure_stage3(self, unit_bytes=fsdp_unit_bytes, reshard_after_forward=reshard_after_forward,
+                                      prefetch=fsdp_prefetch)

@@ -1,0 +1,132 @@
+"""Keras internals for tensor parallelism: a layer's own variable lists, per-instance methods, logical views.
+
+A split layer keeps its Keras variables (`layer.kernel`: what `.keras` files, `tf.train.Checkpoint` and users
+see, full logical shape) but their storage is a `LogicalView` over the shards; the shards themselves (one
+Keras variable per "model"-axis device) take the logical variable's place in the layer's
+`_trainable_variables` list, so gradients and the optimizer see the shards.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist._compat.keras_model import swap_variable_value
+from tfdist._compat.tf_runtime import SavedTensor
+
+__all__ = ["LogicalView", "attention_projections", "bind_method", "optimizer_trainables", "override_checkpoint_children",
+           "own_variables", "replace_variable", "set_logical_view", "tracked_list", "wrap_compute_attention"]
+
+
+def own_variables(layer) -> list:
+    """The layer's own variables (not its sublayers'), in the order Keras saves them."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def replace_variable(layer, old, new: Sequence) -> None:
+    """Puts the Keras variables `new` where `old` stands in the layer's variable lists."""
+    for lst in (layer._trainable_variables, layer._non_trainable_variables):
+        for i, v in enumerate(lst):
+            if v is old:
+                lst[i:i + 1] = list(new)
+                return
+    raise ValueError(f"{old.path} is not a variable of layer {layer.name}")
+
+
+def bind_method(obj, name: str, function: Callable) -> None:
+    """`obj.name` becomes `function` bound to obj (this instance only, outside Keras' attribute tracking)."""
+    object.__setattr__(obj, name, types.MethodType(function, obj))
+
+
+class LogicalView(SavedTensor):
+    """The full (logical) value of a split variable: reads concatenate the shards along `axis`, writes split.
+
+    Stands behind the layer's original Keras variable: `.numpy()`, `assign`, `.keras` save/load and
+    `tf.train.Checkpoint` (saved as one tensor of the full shape) go through it.
+    """
+
+    def __init__(self, shards: Sequence, axis: int, shape: tuple, dtype, save_device: str, name: str = "logical"):
+        self.shards, self.axis = list(shards), axis
+        self._shared_name = name  # what Keras' Variable reports to tf.train.Checkpoint as its name
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+        self.save_device = save_device
+        self.trainable = False
+
+    def read(self) -> tf.Tensor:
+        with tf.device(self.save_device):
+            return tf.concat([tf.convert_to_tensor(s.value) for s in self.shards], axis=self.axis)
+
+    def write(self, value) -> None:
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if not value.shape.is_compatible_with(self.shape):
+            raise ValueError(f"value of shape {value.shape} for a variable of shape {self.shape}")
+        if not value.shape.is_fully_defined():  # a checkpoint restore reads it inside a graph
+            value = tf.ensure_shape(value, self.shape)
+        for shard, part in zip(self.shards, tf.split(value, len(self.shards), axis=self.axis)):
+            shard.assign(part)
+
+    # the parts of the tf.Variable interface Keras' Variable forwards to its backend value
+    def assign(self, value, *args, **kwargs):
+        self.write(value)
+        return self
+
+    def read_value(self) -> tf.Tensor:
+        return self.read()
+
+    def value(self) -> tf.Tensor:
+        return self.read()
+
+    def numpy(self) -> np.ndarray:
+        return self.read().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return tf.convert_to_tensor(self.read(), dtype=dtype, name=name)
+
+    def __repr__(self) -> str:
+        return f"<LogicalView shape={self.shape} over {len(self.shards)} shards (axis {self.axis})>"
+
+
+def set_logical_view(keras_variable, view: LogicalView) -> None:
+    """Makes a Keras variable's storage `view` (the full-size tf.Variable behind it is dropped)."""
+    swap_variable_value(keras_variable, view)
+
+
+def attention_projections(layer) -> tuple:
+    """(query, key, value, output) EinsumDense sublayers of a built keras.layers.MultiHeadAttention."""
+    return layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense
+
+
+def wrap_compute_attention(layer, make: Callable[[Callable], Callable]) -> None:
+    """Replaces this MultiHeadAttention instance's `_compute_attention` (the per-head attention between the
+    projections) by `make(original)`; MultiHeadAttention.call looks it up on the instance."""
+    original = layer._compute_attention
+    object.__setattr__(layer, "_compute_attention", make(original))
+
+
+def optimizer_trainables(optimizer) -> list:
+    """The variables a built Keras optimizer was built on, in order."""
+    return list(optimizer._trainable_variables)
+
+
+def override_checkpoint_children(obj, children: Callable[[dict], dict]) -> None:
+    """This instance's tf.train.Checkpoint dependencies become `children(stock dependencies)` (saving and
+    restoring both look them up through `_trackable_children`)."""
+    stock = type(obj)._trackable_children
+
+    def trackable_children(self, save_type="checkpoint", **kwargs):
+        found = stock(self, save_type, **kwargs)
+        return children(dict(found)) if save_type == "checkpoint" else found
+
+    object.__setattr__(obj, "_trackable_children", types.MethodType(trackable_children, obj))
+
+
+def tracked_list(items: Sequence):
+    """A list tf.train.Checkpoint saves element by element ("name/0", "name/1", ...), like Keras' own lists."""
+    return tf.__internal__.tracking.wrap(list(items))
