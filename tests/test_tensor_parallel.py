@@ -305,6 +305,27 @@ def test_evaluate_predict_and_keras_file_across_meshes(tmp_path):
                                atol=1e-5)
 
 
+def test_a_model_split_before_fit_still_saves_logical_optimizer_state(tmp_path):
+    """strategy.shard_plan(model) before fit splits the model before its optimizer is built: the optimizer is
+    then built on the shards directly, and must still save Adam's state in plain Keras' layout."""
+    x, y = data()
+    strategy = strategy_for((2, 2))
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert len(strategy.shard_plan(model).layers) == 4
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "early.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Keras warns when it skips optimizer state it cannot match
+        plain = keras.saving.load_model(path)
+    up1 = plain.get_layer("up1").kernel
+    momentum = plain.optimizer.variables[2 + 2 * [v.path for v in plain.trainable_variables].index(up1.path)]
+    assert tuple(momentum.shape) == (12, 32) and float(np.abs(momentum.numpy()).max()) > 0
+
+
 def test_custom_training_loop_and_checkpoint(tmp_path):
     x, y = data()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")

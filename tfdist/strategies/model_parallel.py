@@ -69,6 +69,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self._grid = mesh.grid(batch_dim_name)
         self._plans: dict[int, tuple[weakref.ref, ShardPlan]] = {}
         self._models: weakref.WeakSet = weakref.WeakSet()
+        self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.
         tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
@@ -152,8 +153,13 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             if not isinstance(variables, list):
                 raise ConfigError("build the optimizer with a list of variables (model.trainable_variables).")
             variables[:] = expanded  # Keras builds on this very list: the shards, not the logical variables
+        # Also when the model was split before (strategy.shard/shard_plan): its variables are shards already.
+        shards = {id(shard) for _, plan in self._plans.values() for split in plan.layers
+                  for parts in split.shards.values() for shard in parts}
+        if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           self.extended.slot_reference)
+            self._logical_saving.add(optimizer)
 
     def _shards_of(self, variable) -> list | None:
         for ref, plan in self._plans.values():
