@@ -162,16 +162,18 @@ def _bias_part(bias_shards, bias, k: int, parts: int):
     return tf.convert_to_tensor(bias)[k * size:(k + 1) * size]
 
 
-def _dense_column(layer, x, shards: dict, devices, home):
+def _column(layer, x, shards: dict, devices, home, op, bias):
+    """Output features split (Dense/Conv): each device computes its slice of the output from a copy of the input
+    (Megatron's f), the slices are concatenated and remembered so that a following row layer reads them."""
     kernels, bias_shards = shards["kernel"], shards.get("bias")
     xs = copy_to_shards(x, devices, home)
     ys = []
     for k, device in enumerate(devices):
         def shard(xk, k=k):
-            y = keras.ops.matmul(xk, kernels[k])
-            bias = _bias_part(bias_shards, layer.bias, k, len(devices))
-            if bias is not None:
-                y = keras.ops.add(y, bias)
+            y = op(xk, kernels[k])
+            part = _bias_part(bias_shards, bias, k, len(devices))
+            if part is not None:
+                y = keras.ops.add(y, part)
             return layer.activation(y) if layer.activation is not None else y
 
         ys.append(on_device(device, shard, xs[k]))
@@ -180,16 +182,34 @@ def _dense_column(layer, x, shards: dict, devices, home):
     return logical
 
 
-def _dense_row(layer, x, shards: dict, devices, home):
+def _row(layer, x, shards: dict, devices, home, op, bias):
+    """Input features split (Dense/Conv): partial products on each device, then their sum (Megatron's g)."""
     kernels = shards["kernel"]
     xs = _shards_of(x, devices) or split_to_shards(x, devices, home)
-    parts = [on_device(device, lambda xk, k=k: keras.ops.matmul(xk, kernels[k]), xs[k])
-             for k, device in enumerate(devices)]
+    parts = [on_device(device, lambda xk, k=k: op(xk, kernels[k]), xs[k]) for k, device in enumerate(devices)]
     y = reduce_from_shards(parts, devices, home)
     with tf.device(home):
-        if layer.bias is not None:
-            y = keras.ops.add(y, layer.bias)
+        if bias is not None:
+            y = keras.ops.add(y, bias)
         return layer.activation(y) if layer.activation is not None else y
+
+
+def _dense_column(layer, x, shards: dict, devices, home):
+    return _column(layer, x, shards, devices, home, keras.ops.matmul, layer.bias)
+
+
+def _dense_row(layer, x, shards: dict, devices, home):
+    return _row(layer, x, shards, devices, home, keras.ops.matmul, layer.bias)
+
+
+def _conv_column(layer, x, shards: dict, devices, home):
+    """A Conv (channels_last) with its output channels split."""
+    return _column(layer, x, shards, devices, home, layer.convolution_op, layer.bias if layer.use_bias else None)
+
+
+def _conv_row(layer, x, shards: dict, devices, home):
+    """A Conv (channels_last) with its input channels split: partial convolutions, then the sum."""
+    return _row(layer, x, shards, devices, home, layer.convolution_op, layer.bias if layer.use_bias else None)
 
 
 def _einsum_parts(equation: str) -> tuple[str, str, str]:
@@ -253,38 +273,6 @@ _split_axes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # EinsumDe
 
 def layer_split_axis(layer) -> int:
     return _split_axes[layer]
-
-
-def _conv_column(layer, x, shards: dict, devices, home):
-    """A Conv (channels_last) with its output channels split: each device convolves into its channel slice."""
-    kernels, bias_shards = shards["kernel"], shards.get("bias")
-    xs = copy_to_shards(x, devices, home)
-    ys = []
-    for k, device in enumerate(devices):
-        def shard(xk, k=k):
-            y = layer.convolution_op(xk, kernels[k])
-            bias = _bias_part(bias_shards, layer.bias if layer.use_bias else None, k, len(devices))
-            if bias is not None:
-                y = keras.ops.add(y, bias)
-            return layer.activation(y) if layer.activation is not None else y
-
-        ys.append(on_device(device, shard, xs[k]))
-    logical = gather_from_shards(ys, home)
-    _remember(logical, devices, ys)
-    return logical
-
-
-def _conv_row(layer, x, shards: dict, devices, home):
-    """A Conv (channels_last) with its input channels split: partial convolutions, then the sum."""
-    kernels = shards["kernel"]
-    xs = _shards_of(x, devices) or split_to_shards(x, devices, home)
-    parts = [on_device(device, lambda xk, k=k: layer.convolution_op(xk, kernels[k]), xs[k])
-             for k, device in enumerate(devices)]
-    y = reduce_from_shards(parts, devices, home)
-    with tf.device(home):
-        if layer.use_bias:
-            y = keras.ops.add(y, layer.bias)
-        return layer.activation(y) if layer.activation is not None else y
 
 
 def _ids(layer, inputs):
