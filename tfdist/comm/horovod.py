@@ -129,6 +129,8 @@ class HorovodAllReduce(tf_distribute.ProcessCrossDeviceOps):
                     out[i] = r
             return out
         wire_dtype = self._wire_dtype if compress else None
+        if any(t.dtype == tf.bfloat16 for t in tensors) and hvd_op is not hvd.Adasum:
+            wire_dtype = tf.bfloat16  # already bf16 (the 'bf16' comm hook): Horovod has no bf16 all-reduce
         if wire_dtype == tf.bfloat16 and hvd_op is not hvd.Adasum:
             return self._bf16_allgather_sum(tensors, prescale * postscale)
         wire = [tf.cast(t, wire_dtype) if wire_dtype is not None and t.dtype.is_floating else t for t in tensors]

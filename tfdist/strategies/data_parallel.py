@@ -4,13 +4,18 @@ scoped hooks, memory_report."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
 from tfdist import sharding
+from tfdist._compat import grad_accumulate, keras_optimizer
 from tfdist._compat.keras_model import model_of_step
+from tfdist.comm.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
+from tfdist.comm.comm_hooks import hook_from
 from tfdist.comm.shard_collectives import ShardCollectives
+from tfdist.errors import ConfigError
 from tfdist.training.uneven import UnevenData, check_mode
 
 __all__ = ["DataParallel"]
@@ -39,6 +44,8 @@ class DataParallel:
     zero_stages: tuple[int, ...] = sharding.SUPPORTED_STAGES  # the ZeRO stages this strategy runs
     uneven_data: str = "stop"
     _uneven: UnevenData | None = None
+    gradient_path: GradientPath | None = None
+    _no_sync_depth: int = 0
 
     def _check_zero_options(self, zero_stage, offload) -> None:
         self.zero_stage, self.offload = sharding.check_options(zero_stage, offload, stages=self.zero_stages)
@@ -60,6 +67,121 @@ class DataParallel:
             self._uneven = UnevenData(self, mode, host_device=self._host_device())
             if fused:
                 self.extended.step_carrier = self._uneven
+
+    # -- the gradient path: buckets and communication hooks (tfdist.comm.buckets, docs/comm.md) -------------
+    def _check_bucket_cap(self, bucket_cap_mb) -> float | None:
+        if bucket_cap_mb is None:
+            return None
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb must be a number of MB > 0 (PyTorch DDP's default is "
+                              f"{DEFAULT_BUCKET_CAP_MB}) or None (one all-reduce after the whole backward), "
+                              f"got {bucket_cap_mb!r}.")
+        if self.zero_stage:
+            raise ConfigError(f"bucket_cap_mb={bucket_cap_mb} needs zero_stage=0: with zero_stage={self.zero_stage} "
+                              "ZeRO reduces the gradients its own way (reduce-scatter to the shards' owners). "
+                              "Drop bucket_cap_mb or use zero_stage=0.")
+        return float(bucket_cap_mb)
+
+    def _attach_gradient_path(self, bucket_cap_mb: float | None) -> None:
+        """Routes the step's gradient all-reduce through buckets of `bucket_cap_mb` (None: the stock path, until
+        a hook is registered). The extended is a `tfdist._compat.grad_path` class."""
+        if bucket_cap_mb is not None:
+            self.gradient_path = GradientPath(bucket_cap_mb, self.num_replicas_in_sync)
+            self.extended.gradient_router = self.gradient_path
+
+    def set_bucket_cap(self, bucket_cap_mb: float | None) -> None:
+        """Sets the gradient buckets' size in MB (None: back to one all-reduce after the whole backward, and no
+        hook) for training steps traced from now on (a model compiled afterwards; Keras traces at the first step).
+
+        Example:
+            >>> strategy.set_bucket_cap(25)               # same as MirroredStrategy(bucket_cap_mb=25)
+        """
+        bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
+        hook = None if self.gradient_path is None or bucket_cap_mb is None else self.gradient_path.hook
+        self.gradient_path = self.extended.gradient_router = None
+        self._attach_gradient_path(bucket_cap_mb)
+        if hook is not None:
+            self.gradient_path.hook = hook
+
+    def register_comm_hook(self, hook) -> None:
+        """Makes each gradient bucket's all-reduce go through `hook` (PyTorch DDP's `register_comm_hook`).
+
+        `hook`: 'fp16', 'bf16', 'powersgd', 'powersgd:RANK', a `tfdist.comm.powersgd.PowerSGD(...)` or a
+        callable `hook(bucket) -> list of tensors` (signature in `tfdist.comm.comm_hooks`). Register it before
+        the first training step is traced (before `fit`, or before the first call of a custom loop's
+        `tf.function`), once. Without `bucket_cap_mb` buckets of the default 25 MB are used. zero_stage 0 only.
+
+        Example:
+            >>> strategy = tfdist.MirroredStrategy(bucket_cap_mb=25)
+            >>> strategy.register_comm_hook("fp16")       # gradients travel as float16
+        """
+        if self.zero_stage:
+            raise ConfigError(f"register_comm_hook: communication hooks apply at zero_stage=0 only; this strategy has "
+                              f"zero_stage={self.zero_stage}, whose gradients are reduce-scattered to their shards' "
+                              "owners (and ZeRO-1 needs the exact sum). Create the strategy with zero_stage=0.")
+        hook = hook_from(hook)
+        if self.gradient_path is None:
+            self._attach_gradient_path(DEFAULT_BUCKET_CAP_MB)
+        if self.gradient_path.hook is not None:
+            raise ConfigError(f"register_comm_hook: a hook is already registered ({self.gradient_path.hook!r}); "
+                              "register one hook per strategy (PyTorch DDP allows one too).")
+        self.gradient_path.hook = hook
+
+    # -- no_sync: accumulate k micro-steps locally, then one all-reduce of the sum --------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Inside it, `optimizer.apply_gradients` of this strategy's optimizers adds each replica's gradients to
+        local sums instead: no all-reduce, no update, no step counted (PyTorch DDP's `no_sync`). The first
+        `apply_gradients` outside it adds the sums to its own gradients: one all-reduce, one update.
+
+        For custom training loops (`model.fit` has Keras' `gradient_accumulation_steps`, which cannot run under
+        several local devices' merge_call). It is read when the step is traced: give the step's `tf.function` a
+        Python bool so that each mode has its own trace, and start with a no_sync step. Scale the loss for the
+        big batch (k micro-batches: divide by k times the global micro-batch).
+
+        Example:
+            >>> @tf.function
+            ... def train_step(x, y, sync):                       # sync: a Python bool, one trace each
+            ...     with strategy.no_sync(enabled=not sync):
+            ...         strategy.run(replica_step, args=(x, y))   # replica_step calls optimizer.apply_gradients
+            >>> for i, (x, y) in enumerate(micro_batches):
+            ...     train_step(x, y, sync=(i + 1) % k == 0)
+        """
+        if self.zero_stage:
+            raise ConfigError(f"no_sync: gradient accumulation here needs zero_stage=0 (this strategy has "
+                              f"zero_stage={self.zero_stage}, whose gradients go to their shards' owners).")
+        if not enabled:
+            yield
+            return
+        optimizers = self._optimizers()
+        if not optimizers:
+            raise ConfigError("no_sync: no Keras optimizer was created in this strategy's scope, so there is none whose "
+                              "apply_gradients could accumulate. Create the optimizer inside `with strategy.scope():`.")
+        for optimizer in optimizers:
+            accumulators = self._accumulators.setdefault(id(optimizer), grad_accumulate.Accumulators())
+            if accumulators.synced_without or (not accumulators.sums and grad_accumulate.applied_steps(optimizer)):
+                raise ConfigError(
+                    f"no_sync: optimizer {optimizer.name!r} already applied gradients outside no_sync before its "
+                    "first no_sync step, so that step's traced function holds no accumulated gradients. Start the "
+                    "loop with a no_sync micro-step (e.g. sync=(i + 1) % k == 0), or use a fresh optimizer.")
+            grad_accumulate.install(optimizer, lambda: self._no_sync_depth > 0, accumulators)
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _optimizers(self) -> list:
+        tracked = self.__dict__.setdefault("_tracked_optimizers", weakref.WeakSet())
+        return [o for o in tracked if keras_optimizer.optimizer_strategy(o) is self]
+
+    @property
+    def _accumulators(self) -> dict:
+        return self.__dict__.setdefault("_no_sync_accumulators", {})
+
+    def _track_optimizer(self, optimizer) -> None:
+        if tf.distribute.get_strategy() is self:
+            self.__dict__.setdefault("_tracked_optimizers", weakref.WeakSet()).add(optimizer)
 
     def uneven_data_agreements(self) -> dict[str, int] | None:
         """How this process's steps were agreed so far: {"fused": steps agreed inside the previous step's
@@ -100,13 +222,15 @@ class DataParallel:
     def scope(self) -> Iterator[tf.distribute.Strategy]:
         """`tf.distribute.Strategy.scope()`; inside it, optimizers built for this strategy are sharded
         as `zero_stage` says."""
-        with super().scope() as strategy, sharding.building_optimizers():
+        with super().scope() as strategy, sharding.building_optimizers(), \
+                keras_optimizer.optimizer_hooks(_no_build, self._track_optimizer):
             yield strategy
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """`tf.distribute.Strategy.run`; an optimizer first built inside `fn` (a custom training loop's
         first `apply_gradients`) is sharded as `zero_stage` says."""
-        with sharding.building_optimizers(), self._uneven_step(fn):
+        in_step = getattr(self.extended, "in_step", contextlib.nullcontext)
+        with sharding.building_optimizers(), self._uneven_step(fn), in_step():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _uneven_step(self, fn):
@@ -125,3 +249,7 @@ class DataParallel:
         the optimizer is built (after the first `fit` step or `model.optimizer.build(...)` in scope).
         """
         return sharding.memory_report(self, model)
+
+
+def _no_build(optimizer, variables) -> None:
+    """The build side of the optimizer hooks DataParallel.scope() opens (it only tracks creations)."""

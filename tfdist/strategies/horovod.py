@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat.fused_flags import with_step_flags
+from tfdist._compat.grad_path import with_gradient_path
 from tfdist.cluster.env import launched_by, local_device_count
 from tfdist.comm.horovod import (
     CPU_FUSION_THRESHOLD_MB,
@@ -78,6 +79,10 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
             pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
             behaviour (a new iterator per epoch and per validation).
+        bucket_cap_mb: None (default: one grouped Horovod all-reduce after the whole backward) or a size in MB
+            (DDP: 25): gradients all-reduced in buckets, each as soon as its gradients exist, as in
+            `tfdist.MirroredStrategy`; `register_comm_hook` compresses them (then without `compression`).
+            zero_stage 0 only.
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -111,9 +116,11 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         offload: bool = False,
         uneven_data: str = "stop",
         reuse_input_iterators: bool = True,
+        bucket_cap_mb: float | None = None,
     ):
         check_options(compression, op)
         self._check_zero_options(zero_stage, offload)
+        bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         if require_launcher and launched_by() is None:
@@ -143,12 +150,22 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         if launched_by() is None and self.size == 1:
             log.info("HorovodStrategy: no launcher found; running as a one-process job over %s.", devices)
         ops = HorovodAllReduce(self.size, self.size * len(devices), compression=compression, op=op)
-        extended = with_step_flags(tf_distribute.MultiProcessExtended)
+        extended = with_gradient_path(with_step_flags(tf_distribute.MultiProcessExtended))
         tf_distribute.init_strategy(self, lambda: extended(self, devices, ops, group))
         self.compression, self.op = compression, op
         self._register_sharding(self._shard_collectives)
         # The flags ride along with the gradients only where their floats are summed exactly.
         self._attach_uneven_data(uneven_data, fused=op == "average" and compression is None)
+        self._attach_gradient_path(bucket_cap_mb)
+
+    def register_comm_hook(self, hook) -> None:
+        """`DataParallel.register_comm_hook`; not with `compression` (the hook is the compression) nor with
+        op='adasum' (a hook's `bucket.all_reduce` is a sum)."""
+        if self.compression is not None or self.op == "adasum":
+            raise ConfigError(f"register_comm_hook needs HorovodStrategy(compression=None, op='average' or 'sum'); "
+                              f"this one has compression={self.compression!r}, op={self.op!r}. A hook compresses "
+                              "the gradients itself: drop `compression` (e.g. use the 'fp16' hook instead).")
+        super().register_comm_hook(hook)
 
     def _shard_collectives(self):
         from tfdist.comm.horovod_shards import HorovodShardCollectives

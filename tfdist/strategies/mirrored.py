@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfdist import sharding
 from tfdist._compat import distribute as tf_distribute
+from tfdist._compat.grad_path import with_gradient_path
 from tfdist.comm import cross_device_ops_from
 from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.devices import resolve_devices
@@ -44,15 +45,19 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
             parameters, gathered per layer for its forward and backward: FSDP; see docs/zero.md).
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in
             host memory instead of on the replica's device.
+        reuse_input_iterators: True (default): distributed datasets keep one iterator, rewound per pass, and run
+            their input pipelines without tf.data autotuning unless the dataset's options set
+            `autotune.enabled`; False: TF's behaviour (a new iterator per pass).
+        bucket_cap_mb: None (default: a step's gradients are all-reduced together after the whole backward) or
+            a size in MB (PyTorch DDP uses 25): the gradients are all-reduced in buckets of that size, in reverse
+            creation order, each as soon as its gradients exist, overlapping the rest of the backward.
+            `register_comm_hook` compresses the buckets (fp16, bf16, PowerSGD). zero_stage 0 only.
         fsdp_unit_bytes: zero_stage 3: a layer whose weights (its sublayers' included) total at most this many
             bytes is gathered as one unit; None (default): every layer that owns weights is its own unit.
         reshard_after_forward: zero_stage 3: True (default) frees each unit's gathered parameters after its
             forward and gathers them again for its backward; False keeps them (less traffic, more memory).
         fsdp_prefetch: zero_stage 3: issue each unit's all-gather when the unit before it starts (default
             False: when its own inputs exist, which holds fewer gathered units at once).
-        reuse_input_iterators: True (default): distributed datasets keep one iterator, rewound per pass, and run
-            their input pipelines without tf.data autotuning unless the dataset's options set
-            `autotune.enabled`; False: TF's behaviour (a new iterator per pass).
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -81,17 +86,20 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         zero_stage: int = 0,
         offload: bool = False,
         reuse_input_iterators: bool = True,
+        bucket_cap_mb: float | None = None,
         fsdp_unit_bytes: int | None = None,
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
     ):
         self._check_zero_options(zero_stage, offload)
         sharding.check_unit_bytes(fsdp_unit_bytes, self.zero_stage)
+        bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
-        tf_distribute.init_strategy(
-            self, lambda: tf_distribute.MirroredExtended(self, devices=devices, cross_device_ops=ops))
+        extended = with_gradient_path(tf_distribute.MirroredExtended)
+        tf_distribute.init_strategy(self, lambda: extended(self, devices=devices, cross_device_ops=ops))
         self._register_sharding(lambda: LocalCollectives(self.extended.worker_devices))
         if self.zero_stage == 3:
             sharding.configure_stage3(self, unit_bytes=fsdp_unit_bytes, reshard_after_forward=reshard_after_forward,
                                       prefetch=fsdp_prefetch)
+        self._attach_gradient_path(bucket_cap_mb)

@@ -9,6 +9,7 @@ import tensorflow as tf
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import tf_runtime
 from tfdist._compat.fused_flags import with_step_flags
+from tfdist._compat.grad_path import with_gradient_path
 from tfdist.cluster.env import local_device_count
 from tfdist.cluster.faults import install_excepthook, startup_watchdog
 from tfdist.cluster.peers import cluster_config_of, startup_error, wait_for_peers
@@ -70,6 +71,9 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
             pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
             behaviour (a new iterator per epoch and per validation).
+        bucket_cap_mb: None (default: one all-reduce after the whole backward) or a size in MB (DDP: 25):
+            gradients all-reduced in buckets, each as soon as its gradients exist, as in `tfdist.MirroredStrategy`;
+            `register_comm_hook` compresses them. zero_stage 0 only.
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -103,8 +107,10 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         offload: bool = False,
         uneven_data: str = "stop",
         reuse_input_iterators: bool = True,
+        bucket_cap_mb: float | None = None,
     ):
         self._check_zero_options(zero_stage, offload)
+        bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         if communication not in _COMMUNICATION:
@@ -137,13 +143,14 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         # TF's coordination leader waits for missing peers without a deadline: bound it from outside.
         with startup_watchdog(self.timeout_s + 15.0, lambda: str(self._startup_error(None))):
             try:
-                extended = with_step_flags(tf_distribute.CollectiveExtended)
+                extended = with_gradient_path(with_step_flags(tf_distribute.CollectiveExtended))
                 tf_distribute.init_strategy(self, lambda: extended(self, cluster_resolver, options, kind, indices))
             except (tf.errors.OpError, RuntimeError) as err:
                 raise self._startup_error(err) from None
         install_excepthook(config)
         self._register_sharding(self._shard_collectives, host_device=self._host_device())
         self._attach_uneven_data(uneven_data, fused=True)  # TF sums the gradients' float32 pack exactly
+        self._attach_gradient_path(bucket_cap_mb)  # the flags then ride along with the first float32 bucket
 
     @property
     def cluster_config(self) -> ClusterConfig | None:

@@ -1,0 +1,148 @@
+"""Reading overlap of gradient all-reduce and backward from TF's profiler trace (tests/test_buckets.py, `tfdist bench ddp`).
+
+In one profiled training step, per replica device: when the backward's ops ran (ops TF named
+`.../gradient_tape/...`), when the step's collectives ran (CollectiveReduceV2 kernels, Horovod's all-reduce
+ops), and how much of the collectives' time fell before the device's backward had finished. Ops are mapped
+to devices by TF's own placement (`tfdist._compat.tf_runtime.executed_partition_devices`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import tempfile
+from collections.abc import Callable
+
+__all__ = ["DeviceOverlap", "collective_kind", "overlap_by_step", "profile", "read_space"]
+
+_COLLECTIVE_TYPES = ("CollectiveReduceV2", "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather")
+
+
+@dataclasses.dataclass
+class DeviceOverlap:
+    """One device's step: intervals in ms from the step's first backward op."""
+
+    device: str
+    backward: list[tuple[float, float]]
+    collectives: list[tuple[float, float]]
+
+    @property
+    def backward_end(self) -> float:
+        return max(b for _, b in self.backward)
+
+    @property
+    def first_collective_start(self) -> float:
+        return min(a for a, _ in self.collectives)
+
+    @property
+    def comm_ms(self) -> float:
+        """Time in which at least one of the device's collectives ran."""
+        return _union(self.collectives)
+
+    @property
+    def hidden_ms(self) -> float:
+        """Collective time that overlapped the device's backward ops."""
+        clipped = []
+        for a, b in self.collectives:
+            for c, d in self.backward:
+                lo, hi = max(a, c), min(b, d)
+                if hi > lo:
+                    clipped.append((lo, hi))
+        return _union(clipped)
+
+    @property
+    def overlaps(self) -> bool:
+        """True if a collective started before the device's backward ended."""
+        return self.first_collective_start < self.backward_end
+
+
+def collective_kind(op_type: str) -> bool:
+    return op_type in _COLLECTIVE_TYPES
+
+
+def profile(run: Callable[[], object]) -> object:
+    """Runs `run()` under TF's profiler and returns the trace (an XSpace)."""
+    import tensorflow as tf
+
+    logdir = tempfile.mkdtemp(prefix="tfdist-ddp-trace-")
+    tf.profiler.experimental.start(logdir)
+    try:
+        run()
+    finally:
+        tf.profiler.experimental.stop()
+    return read_space(max(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)))
+
+
+def read_space(path: str):
+    from tfdist._compat.tf_runtime import xspace_proto
+
+    space = xspace_proto()()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space
+
+
+def _events(space):
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
+                yield plane.event_metadata[event.metadata_id].name, start, start + event.duration_ps / 1e9
+
+
+def _windows(space) -> list[tuple[float, float]]:
+    """(start, end) of each execution of Keras' compiled train step (or of any tf.function call)."""
+    calls = [(a, b) for name, a, b in _events(space)
+             if name.startswith("EagerLocalExecute: __inference_") and "step_on_" in name]
+    if not calls:
+        calls = [(a, b) for name, a, b in _events(space) if name.startswith("EagerLocalExecute: __inference_")]
+    return sorted(calls)
+
+
+def overlap_by_step(space, device_of: dict[str, set[str]], scope: str | None = None) -> list[dict[str, DeviceOverlap]]:
+    """Per profiled step, per device: its backward ops and collectives (ms from the step's first backward op).
+
+    `scope`: count only collectives under this name scope (the optimizer's name, e.g. `model.optimizer.name`: Keras
+    all-reduces the gradients inside it). A step has other collectives too: across processes, the distributed
+    iterator's all-reduce that agrees whether every worker has data, which may well run during the backward."""
+    ops = []
+    for name, a, b in _events(space):
+        if ":" not in name:
+            continue
+        node, op_type = name.split(":", 1)
+        devices = device_of.get(node)
+        if not devices or len(devices) != 1:
+            continue
+        if collective_kind(op_type):
+            kind = "collective" if scope is None or f"/{scope}/" in f"/{node}/" else None
+        else:
+            kind = "backward" if "gradient_tape/" in node else None
+        if kind:
+            ops.append((kind, next(iter(devices)), a, b))
+    steps = []
+    for lo, hi in _windows(space) or [(float("-inf"), float("inf"))]:
+        inside = [o for o in ops if lo <= o[2] <= hi]
+        backward = [o for o in inside if o[0] == "backward"]
+        if not backward:
+            continue
+        t0 = min(o[2] for o in backward)
+        per = {}
+        for device in sorted({o[1] for o in inside}):
+            bw = [(a - t0, b - t0) for k, d, a, b in inside if k == "backward" and d == device]
+            co = [(a - t0, b - t0) for k, d, a, b in inside if k == "collective" and d == device]
+            if bw and co:
+                per[device] = DeviceOverlap(device, bw, co)
+        if per:
+            steps.append(per)
+    return steps
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
