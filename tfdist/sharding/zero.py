@@ -161,19 +161,26 @@ class ZeroEngine:
                                   f"shape {tuple(v.shape)}, not the variable's; only element-wise state can be cut.")
 
     # --- one training step -----------------------------------------------------------------
-    def apply(self, grads: list, variables: list) -> None:
-        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+    def _replica_context(self) -> tf.distribute.ReplicaContext:
         ctx = tf.distribute.get_replica_context()
         if ctx is None or tf.distribute.in_cross_replica_context():
             raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
                               "as model.fit does.")
+        return ctx
+
+    def _in_variable_order(self, grads: list, variables: list) -> list:
+        """`grads` (for `variables`, in any order) in the order of the engine's variables; every one needed."""
         order = [keras_optimizer.variable_index(self.optimizer, v) for v in variables]
         if sorted(order) != list(range(len(self.variables))):
             missing = sorted(set(range(len(self.variables))) - set(order))
-            raise ConfigError(f"ZeRO needs a gradient for every trainable variable; none for "
+            raise ConfigError(f"ZeRO stage {self.stage} needs a gradient for every trainable variable; none for "
                               f"{[_name(self.variables[i]) for i in missing]}. Set trainable=False on them.")
         by_index = dict(zip(order, grads))
-        grads = [by_index[i] for i in range(len(self.variables))]
+        return [by_index[i] for i in range(len(self.variables))]
+
+    def apply(self, grads: list, variables: list) -> None:
+        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+        ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, [tf_variable(v) for v in self.variables])
         if not self.optimizer.gradient_accumulation_steps:

@@ -47,25 +47,15 @@ class Zero3Engine(ZeroEngine):
 
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads[j]` is this replica's reduce-scattered piece of variable j's gradient."""
-        ctx = tf.distribute.get_replica_context()
-        if ctx is None or tf.distribute.in_cross_replica_context():
-            raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
-                              "as model.fit does.")
-        order = [keras_optimizer.variable_index(self.optimizer, v) for v in variables]
-        if sorted(order) != list(range(len(self.variables))):
-            missing = sorted(set(range(len(self.variables))) - set(order))
-            raise ConfigError(f"ZeRO stage 3 needs a gradient for every trainable variable; none for "
-                              f"{[self.variables[i].path for i in missing]}. Set trainable=False on them.")
-        by_index = dict(zip(order, grads))
-        for j, g in by_index.items():
+        ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
+        for j, g in enumerate(grads):
             if g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]):
                 raise ConfigError(
                     f"ZeRO stage 3: the gradient of {self.variables[j].path} has shape {tuple(g.shape)}, not its "
                     f"piece's ({self.layout.piece_sizes[j]},): the model ran before its parameters were sharded "
                     "(the optimizer was first built inside this step). Build the optimizer before the first "
                     "step, inside the scope: `optimizer.build(model.trainable_variables)` (model.fit does).")
-        ctx.merge_call(self._step, args=([by_index[i] for i in range(len(self.variables))],
-                                         self.optimizer.learning_rate))
+        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 
     def _step(self, strategy, grads, learning_rate) -> None:
         n = len(self.comm.devices)
