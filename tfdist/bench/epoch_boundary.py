@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+from tfdist.bench.arguments import require_at_least
+
 NAME = "epoch-boundary"
 HELP = ("first training step after validation ÷ steady step, stock tf.distribute.MirroredStrategy vs "
         "tfdist.MirroredStrategy on logical CPUs (fit with validation_data)")
@@ -246,9 +248,7 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     from tfdist.errors import ConfigError
 
-    for name, least in (("epochs", 1), ("rounds", 1), ("replicas", 1), ("batch_size", 1)):
-        if getattr(args, name) < least:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}.")
+    require_at_least(args, epochs=1, rounds=1, replicas=1, batch_size=1)
     if args.batch_size % args.replicas:
         raise ConfigError(f"--batch-size {args.batch_size} must divide by --replicas {args.replicas}.")
     if args.train_images is not None and not 2 * args.batch_size <= args.train_images <= 4000:

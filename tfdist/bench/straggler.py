@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 
+from tfdist.bench.arguments import require_at_least
 from tfdist.bench.cpu_groups import CPU_ROOT, CgroupsUnavailable, CpuGroups, cgroup_problem  # noqa: F401
 from tfdist.bench.rounds import spread as _spread
 
@@ -193,9 +194,7 @@ def _check(args: argparse.Namespace) -> None:
         if value is not None and not 0.01 <= value <= (os.cpu_count() or 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be between 0.01 and {os.cpu_count()} CPUs, "
                               f"got {value}.")
-    for name, least in (("batch_size", 1), ("steps", 1), ("rounds", 1), ("period_us", 1000)):
-        if getattr(args, name) < least:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}.")
+    require_at_least(args, batch_size=1, steps=1, rounds=1, period_us=1000)
 
 
 @contextlib.contextmanager
