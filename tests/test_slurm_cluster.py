@@ -134,9 +134,19 @@ def test_inconsistent_environment(changes, message):
 
 
 def test_fewer_tasks_than_replicas():
-    with pytest.raises(ConfigError, match="replicas=4 but this SLURM step has 2 task"):
+    with pytest.raises(ConfigError, match="replicas=4 but this SLURM step has 2 training task"):
         decide(step(), replicas=4)
     assert decide(step(), replicas=2).kind == "multiworker"
+
+
+def test_the_chief_and_parameter_servers_are_not_replicas():
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "5",
+           "SLURM_STEP_NODELIST": "n[1-5]", "SLURM_STEP_TASKS_PER_NODE": "1(x5)"}
+    c = SlurmCluster.from_environment(env, num_ps=2)   # chief, 2 ps, 2 workers
+    assert (c.num_workers, c.num_replicas) == (2, 2)
+    c.require_replicas(2)
+    with pytest.raises(ConfigError, match=r"2 training task\(s\) .* parameter server.* --ntasks=6"):
+        c.require_replicas(3)
 
 
 # --- auto_strategy's decision ------------------------------------------------------------------

@@ -131,9 +131,14 @@ class SlurmCluster:
         return len(self.task_nodes)
 
     @property
+    def num_workers(self) -> int:
+        """Tasks that train: every task, or with parameter servers all but the chief and the servers."""
+        return self.num_tasks - (1 + self.num_ps if self.num_ps else 0)
+
+    @property
     def num_replicas(self) -> int:
-        """Replicas across the step: tasks x devices per task."""
-        return self.num_tasks * len(self.local_devices)
+        """Replicas across the step: training tasks x devices per task."""
+        return self.num_workers * len(self.local_devices)
 
     @property
     def is_chief(self) -> bool:
@@ -185,10 +190,12 @@ class SlurmCluster:
     def require_replicas(self, replicas: int) -> None:
         """Raises ConfigError when the step cannot hold `replicas` replicas (too few tasks or devices)."""
         if replicas > self.num_replicas:
+            extra = 1 + self.num_ps if self.num_ps else 0
+            ps = f" (the chief and {self.num_ps} parameter server(s) train none)" if self.num_ps else ""
             raise ConfigError(
-                f"replicas={replicas} but this SLURM step has {self.num_tasks} task(s) x "
-                f"{len(self.local_devices)} device(s) = {self.num_replicas} replica(s). Ask for more tasks "
-                f"(sbatch --ntasks={-(-replicas // max(1, len(self.local_devices)))}) or fewer replicas.")
+                f"replicas={replicas} but this SLURM step has {self.num_workers} training task(s) x "
+                f"{len(self.local_devices)} device(s) = {self.num_replicas} replica(s){ps}. Ask for more tasks "
+                f"(sbatch --ntasks={extra + -(-replicas // max(1, len(self.local_devices)))}) or fewer replicas.")
 
     def describe(self) -> dict:
         """A JSON-able summary (what each task of the tests reports)."""
