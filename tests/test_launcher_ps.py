@@ -128,12 +128,36 @@ def test_a_killed_worker_is_restarted_with_the_same_tf_config(tmp_path):
     # worker 1 is process 2 (chief, worker 0, worker 1, ps 0); the chief ends once it has started twice
     rc, lines = _run(tmp_path, 2, 1, wait="worker1.starts:2", on_start=_kill_when_started(tmp_path, "worker1", 2))
     assert rc == 0, lines
-    assert "[launch] worker 1 was killed by SIGKILL; restarting it (1/3)" in lines
+    assert "[launch] worker 1 was killed by SIGKILL; restarting it in 1 s (1/3)" in lines
     first, second = _starts(tmp_path, "worker1")
     assert first["env"] == second["env"] and first["pid"] != second["pid"]  # same TF_CONFIG, new process
     assert f"[worker 1] started worker1 {second['pid']}" in lines
     assert [len(_starts(tmp_path, t)) for t in ("chief0", "worker0", "ps0")] == [1, 1, 1]
     assert _gone(second["pid"])  # the restarted worker is stopped with the others
+
+
+def test_a_worker_failing_at_start_up_is_restarted_after_a_doubling_back_off():
+    from tfdist.cluster.ps_supervisor import supervise_ps
+
+    def start(code: int, seconds: float = 0.0) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit({code})"],
+                                start_new_session=True)
+
+    starts, lines = [], []
+
+    def restart(i: int) -> subprocess.Popen:
+        starts.append(time.monotonic())
+        return start(1)
+
+    procs = [start(0, seconds=4), start(1)]
+    rc = supervise_ps(procs, [("chief", 0), ("worker", 0)], restart, lines.append, max_restarts=3, timeout_s=60,
+                      backoff_s=0.25)
+    assert rc == 0
+    assert [line.split("; ")[1] for line in lines[:4]] == [
+        "restarting it in 0.25 s (1/3)", "restarting it in 0.5 s (2/3)", "restarting it in 1 s (3/3)",
+        "not restarting it (--max-restarts 3 used up)"]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) == 3 and gaps[0] >= 0.5 and gaps[1] >= 1.0, gaps  # each wait at least its back-off
 
 
 def test_max_restarts_0_does_not_restart(tmp_path):

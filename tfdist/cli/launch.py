@@ -26,8 +26,8 @@ parameter-server jobs (--ps K, --backend tf only):
   - the job's exit code is the chief's; when the chief exits (any code) the workers and parameter
     servers are stopped (their TF servers never end by themselves): that is not a failure;
   - a worker that fails does not stop the job (the chief reschedules its steps); it is restarted with
-    the same TF_CONFIG, so it rejoins, at most --max-restarts times per worker (a worker that exits
-    with code 0 is not restarted);
+    the same TF_CONFIG, so it rejoins, at most --max-restarts times per worker, after 1, 2, 4 ... s
+    (at most 30 s) (a worker that exits with code 0 is not restarted);
   - a parameter server that ends is reported and not restarted; the chief decides how the job ends;
   - --timeout stops everything and returns 124, as for any job.
 """

@@ -7,7 +7,8 @@ parameter-server job is built to survive lost workers, so its rules differ:
   then stopped, because their TF servers never return by themselves;
 - a worker that fails (non-zero exit or a signal) is restarted with the same environment, hence the same
   TF_CONFIG and port, so it rejoins the cluster (the chief's ClusterCoordinator reschedules its steps
-  meanwhile), at most `max_restarts` times per worker;
+  meanwhile), at most `max_restarts` times per worker, after a back-off that doubles with each restart
+  (1, 2, 4 ... s, at most 30 s): a worker that fails at start-up does not burn its restarts in a second;
 - a parameter server that ends is reported and not restarted: its variables are gone, and the chief fails
   with its own message (resuming from a checkpoint is the chief's business);
 - a worker that exits with code 0 did so on purpose and is not restarted;
@@ -25,6 +26,8 @@ from tfdist.cluster.processes import describe_exit, exit_code, kill_group, stop_
 __all__ = ["supervise_ps", "task_label"]
 
 POLL_S = 0.05
+BACKOFF_S = 1.0  # wait before a worker's first restart; doubled for each further one
+MAX_BACKOFF_S = 30.0
 
 
 def task_label(task_type: str, index: int) -> str:
@@ -40,6 +43,7 @@ def supervise_ps(
     *,
     max_restarts: int,
     timeout_s: float | None,
+    backoff_s: float = BACKOFF_S,
 ) -> int:
     """Watches a parameter-server job until the chief ends (see the module docstring) and returns its exit code.
 
@@ -50,6 +54,8 @@ def supervise_ps(
         restart: starts process number i again with its original environment and returns it.
         say: writes one line of launcher output.
         max_restarts: restarts allowed per worker (0: none).
+        backoff_s: seconds before a worker's first restart, doubled for each further one (at most
+            MAX_BACKOFF_S); the chief is watched meanwhile.
         timeout_s: stop everything after this many seconds and return 124 (None: no limit).
     """
     if not tasks or tasks[0][0] != "chief" or len(tasks) != len(procs):
@@ -58,20 +64,26 @@ def supervise_ps(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     restarts = [0] * len(procs)
     settled: set[int] = set()  # tasks that ended for good (reported once, never polled again)
+    due: dict[int, float] = {}  # failed workers waiting out their back-off: when to start them again
     while True:
         chief_code = procs[0].poll()
         if chief_code is not None:
             return _end_with_chief(procs, tasks, chief_code, say)
+        for i, when in list(due.items()):
+            if time.monotonic() >= when:
+                del due[i]
+                procs[i] = restart(i)
         for i in range(1, len(procs)):
-            code = None if i in settled else procs[i].poll()
+            code = None if i in settled or i in due else procs[i].poll()
             if code is None:
                 continue
             if _should_restart(tasks[i], code, restarts[i], max_restarts):
                 restarts[i] += 1
-                say(f"[launch] {task_label(*tasks[i])} {describe_exit(code)}; restarting it "
+                wait = min(MAX_BACKOFF_S, backoff_s * 2 ** (restarts[i] - 1))
+                say(f"[launch] {task_label(*tasks[i])} {describe_exit(code)}; restarting it in {wait:g} s "
                     f"({restarts[i]}/{max_restarts})")
                 kill_group(procs[i])  # its children must not hold the port the new process binds
-                procs[i] = restart(i)
+                due[i] = time.monotonic() + wait
             else:
                 settled.add(i)
                 say(f"[launch] {task_label(*tasks[i])} {describe_exit(code)}; "
