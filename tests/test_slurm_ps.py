@@ -168,7 +168,7 @@ def test_ps_template_roles_restart_and_the_chief_ending_the_step(slurm, tmp_path
         "chief0": ("chief", 0, True), "ps0": ("ps", 3, False), "worker0": ("worker", 1, False),
         "worker1": ("worker", 2, False)}
     assert records["worker0"][0]["tf_config"] == records["worker0"][1]["tf_config"]  # restarted, same TF_CONFIG
-    assert "tfdist: worker 0 exited with code 137; restarting it (1/3)" in log, log
+    assert "tfdist: worker 0 exited with code 137; restarting it in 1 s (1/3)" in log, log
     assert "tfdist: chief exited with code 0; ending the step" in log, log
 
 
