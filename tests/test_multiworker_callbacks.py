@@ -68,6 +68,8 @@ def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     x, y = np.random.default_rng(0).normal(size=(64, 4)).astype("float32"), np.ones((64, 1), "float32")
     backup = BackupAndRestore(str(tmp_path / "b"), delete_on_success=False)
+    os.makedirs(tmp_path / "b" / ".tmp-epoch-5-999999")  # left by an earlier chief killed while writing
+    (tmp_path / "b" / ".tmp-epoch-5-999999" / "state.weights.h5").write_bytes(b"partial")
     model = _model()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[backup])
     assert os.listdir(tmp_path / "b") == ["epoch-2"]  # only the newest, complete backup; no temp dirs left

@@ -16,6 +16,7 @@ from tfdist.sharding import gathered_state
 __all__ = ["BackupAndRestore"]
 
 _BACKUP = re.compile(r"^epoch-(\d+)$")
+_PARTIAL = re.compile(r"^\.tmp-epoch-\d+-\d+$")  # a backup being written (or left by a chief killed mid-write)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -26,7 +27,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       workers see: the same machine, or a shared file system);
     - each backup (model and optimizer weights, and the epoch) appears atomically as
       `backup_dir/epoch-N` (written under a temporary name, then renamed), so a worker killed while
-      saving leaves the previous backup intact;
+      saving leaves the previous backup intact (its partial copy is removed at the next backup);
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated.
       With shuffled data, also use `tfdist.data.EpochOrder` (`tfdist.data.load(...).order`) so
       epoch N sees the same order as in an uninterrupted run, and the result is bitwise the same.
@@ -105,7 +106,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         os.rename(tmp, final)
         for name in os.listdir(self.backup_dir):  # keep only the newest backup
             m = _BACKUP.match(name)
-            if m and int(m.group(1)) < epoch + 1:
+            # Only the chief writes, one backup at a time: another temporary directory is what a chief
+            # killed while writing left behind (its process is gone; ours has just been renamed).
+            if (m and int(m.group(1)) < epoch + 1) or _PARTIAL.match(name):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_end(self, logs=None):
