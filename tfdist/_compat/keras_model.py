@@ -80,36 +80,46 @@ def _cell_values(fn) -> list:
     return values
 
 
-def model_of_step(fn, _depth: int = 0):
+def model_of_step(fn):
     """The Keras model whose step `fn` is, or None.
 
     Keras' TF trainer calls `strategy.run(self.train_step, ...)` (a bound method) for fit and
     evaluate, and `strategy.run(one_step_on_data, ...)` (a closure over the model, possibly a
     tf.function or wrapped) for predict. The placement strategy uses this to find the model on its
     first step and place it before any of its variables is read."""
-    if fn is None or _depth > 4:
-        return None
+    return next(step_objects(fn, keras.Model), None)
+
+
+def step_objects(fn, kind: type) -> Iterator:
+    """The objects of type `kind` that the step `fn` uses, nearest first (lazily, each once): the object a
+    bound method belongs to, its closure cells (following the functions among them a few levels deep),
+    then the module-level names it reads (TF's custom-loop tutorial keeps `model` and `optimizer` global)."""
+    seen: set[int] = set()
+    for obj in _step_objects(fn, kind, 0):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            yield obj
+
+
+def _step_objects(fn, kind: type, depth: int) -> Iterator:
+    if fn is None or depth > 4:
+        return
     fn = getattr(fn, "python_function", fn)  # tf.function
     try:
         fn = inspect.unwrap(fn)
     except ValueError:
-        return None
+        return
     owner = getattr(fn, "__self__", None)
-    if isinstance(owner, keras.Model):
-        return owner
-    # Closure cells, then the module-level names the function reads (TF's custom-loop tutorial keeps
-    # `model` global).
+    if isinstance(owner, kind):
+        yield owner
+    for value in _cell_values(fn):
+        if isinstance(value, kind):
+            yield value
+        elif callable(value) and not isinstance(value, (type, keras.Model)):
+            yield from _step_objects(value, kind, depth + 1)
     names = getattr(getattr(fn, "__code__", None), "co_names", ())
     module = getattr(fn, "__globals__", {})
-    found_globals = [module[n] for n in names if isinstance(module.get(n), keras.Model)]
-    for value in [*_cell_values(fn), *found_globals]:
-        if isinstance(value, keras.Model):
-            return value
-        if callable(value) and not isinstance(value, type):
-            found = model_of_step(value, _depth + 1)
-            if found is not None:
-                return found
-    return None
+    yield from (module[n] for n in names if isinstance(module.get(n), kind))
 
 
 # --- Models created inside a scope -----------------------------------------------------------------------

@@ -7,11 +7,12 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 
+import keras
 import tensorflow as tf
 
 from tfdist import sharding
 from tfdist._compat import grad_accumulate, keras_optimizer
-from tfdist._compat.keras_model import model_of_step
+from tfdist._compat.keras_model import model_of_step, step_objects
 from tfdist.comm.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
 from tfdist.comm.comm_hooks import hook_from
 from tfdist.comm.shard_collectives import ShardCollectives
@@ -229,9 +230,26 @@ class DataParallel:
     def run(self, fn, args=(), kwargs=None, options=None):
         """`tf.distribute.Strategy.run`; an optimizer first built inside `fn` (a custom training loop's
         first `apply_gradients`) is sharded as `zero_stage` says."""
+        if self.zero_stage == 3:
+            self._build_optimizer_before_the_step(fn)
         in_step = getattr(self.extended, "in_step", contextlib.nullcontext)
         with sharding.building_optimizers(), self._uneven_step(fn), in_step():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _build_optimizer_before_the_step(self, fn) -> None:
+        # Stage 3 cuts the parameters into pieces when the optimizer is built. A custom loop's optimizer is
+        # built by its first apply_gradients, after the step's forward has read the full parameters: build
+        # it here instead, before `fn` is traced, on the model `fn` trains (found as the placement strategy
+        # finds it). Keras' fit builds its optimizer before the first step, so this finds nothing to do.
+        unbuilt = [o for o in self._optimizers() if not o.built]
+        if not unbuilt:
+            return
+        model = model_of_step(fn)
+        used = [o for o in step_objects(fn, keras.optimizers.Optimizer) if not o.built and o in unbuilt]
+        if model is None or not model.built or len(used) != 1:
+            return  # the step's apply raises a ConfigError that says to build the optimizer first
+        with tf.init_scope(), self.scope():
+            used[0].build(model.trainable_variables)
 
     def _uneven_step(self, fn):
         if self._uneven is None:
