@@ -1,4 +1,5 @@
-"""`tfdist plan`: memory per replica for ZeRO stages 0/1/2, and the smallest stage that fits a device."""
+"""`tfdist plan`: memory per replica for ZeRO stages 0/1/2/3, and the smallest stage that fits a device; with
+`--tensor-parallel T`, the bytes each model-axis device holds when a .keras model's variables are split."""
 
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="number of trainable parameters, e.g. 25M, 1.3B")
     src.add_argument("--model", help="a .keras file: its trainable parameters (and optimizer, if compiled)")
-    p.add_argument("--replicas", type=int, required=True, help="data-parallel replicas N")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="data-parallel replicas N (the ZeRO table; needed unless --tensor-parallel is given)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
+                   help="with --model: split its variables over T model-axis devices (tfdist.LayoutMap.auto, or "
+                        "--layout) and show the bytes per device next to replicated")
+    p.add_argument("--layout", default=None,
+                   help="with --tensor-parallel: a JSON file {regex: [axis or null, ...]} (a LayoutMap; the axis "
+                        "name is 'model'); default: tfdist.LayoutMap.auto(model)")
     p.add_argument("--device-memory", type=float, default=None, help="memory per device in GB (1e9 bytes)")
     p.add_argument("--optimizer", default=None,
                    help="Keras optimizer name (adam, sgd, rmsprop, adagrad...); default: the model's, else adam")
@@ -70,8 +78,19 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.errors import ConfigError
     from tfdist.sharding.memory import zero_formula
 
-    if args.replicas < 1:
+    if args.replicas is None and args.tensor_parallel is None:
+        raise ConfigError("--replicas: give the number of data-parallel replicas N (e.g. --replicas 4), or "
+                          "--tensor-parallel T with --model.")
+    if args.replicas is not None and args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}.")
+    if args.tensor_parallel is not None:
+        if args.tensor_parallel < 1:
+            raise ConfigError(f"--tensor-parallel must be >= 1 (model-axis devices), got {args.tensor_parallel}.")
+        if not args.model:
+            raise ConfigError("--tensor-parallel needs --model (a .keras file): which variables split depends on "
+                              "the layers, not only on --params.")
+    elif args.layout:
+        raise ConfigError("--layout is used with --tensor-parallel T; add --tensor-parallel.")
     if args.device_memory is not None and args.device_memory <= 0:
         raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory}.")
     import keras
@@ -82,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
         if not os.path.exists(args.model):
             raise ConfigError(f"--model: no file {args.model!r}.")
+        if args.tensor_parallel is not None:
+            from tfdist.cli.plan_tensor_parallel import run_tensor_parallel
+
+            return run_tensor_parallel(args, _saved_optimizer_config(args.model))
         model = keras.models.load_model(args.model, compile=False)
         num_params = int(sum(int(v.numpy().size) for v in model.trainable_variables))
         optimizer_config = _saved_optimizer_config(args.model)

@@ -13,6 +13,7 @@ from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
+from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.strategies.input_reuse import ReusedInputIterators
 
 __all__ = ["ModelParallelStrategy"]
@@ -108,6 +109,19 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     def shard_plan(self, model: keras.Model) -> ShardPlan:
         """The model's split: layers, shard shapes, bytes of variables per device (splits it if needed)."""
         return self.shard(model)
+
+    def memory_report(self, model: keras.Model) -> SplitMemoryReport:
+        """Bytes each mesh device holds for `model` (weights, gradients, optimizer state), read from the devices
+        its variables live on, next to a replicated device's (splits the model if needed).
+
+        Example:
+            >>> report = strategy.memory_report(model)       # after fit: optimizer slots included
+            >>> round(report.ratio("params"), 4), 1 / report.model_axis_size     # Transformer block, T = 2
+            (0.5013, 0.5)
+            >>> print(report)                                # one row per device, MiB
+        """
+        self.shard(model)
+        return split_memory_report(model, self.mesh_rows)
 
     # --- tf.distribute hooks ---------------------------------------------------------------------
     @contextlib.contextmanager
