@@ -12,6 +12,9 @@ import argparse
 import os
 import time
 
+from tfdist.bench.arguments import require_at_least
+from tfdist.errors import ConfigError
+
 NAME = "tensor-parallel"
 HELP = "tensor parallelism: weight bytes per device vs replicated, collective bytes vs Megatron, step time T=2 vs 1"
 BYTES_SLACK = 0.02  # weight bytes of the largest device ÷ replicated must be <= 1/T + 2 %
@@ -124,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     from tfdist.bench.common import machine, write_json
     from tfdist.bench.rounds import describe, spread
 
+    require_at_least(args, batch_size=1, seq=1, hidden=32, steps=1, rounds=1)
+    if any(t < 1 for t in args.parallel):
+        raise ConfigError(f"--parallel: model-axis sizes must be >= 1, got {args.parallel}.")
     devices = tfdist.devices.virtual_cpus(max([2, *args.parallel]))
     b, s, h = args.batch_size, args.seq, args.hidden
     models = {"transformer": (lambda: transformer(h, s), (b, s, h)), "mlp": (lambda: mlp(h), (b, h))}
