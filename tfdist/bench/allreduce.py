@@ -25,12 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
     p.add_argument("--link-rates", nargs="+", default=None, metavar="RATE",
-                   help="--backend tf: run on emulated nodes linked at each RATE (e.g. 1gbit 10gbit; root only) and "
-                        "report bus bandwidth / link rate")
+                   help="run on emulated nodes linked at each RATE (e.g. 1gbit 10gbit; root only) and report bus "
+                        "bandwidth / link rate, next to raw TCP over the same link (--backend horovod: Gloo)")
     horovod = p.add_argument_group("--backend horovod", "raw hvd.allreduce vs HorovodStrategy's gradient path "
                                    "vs mpi4py, under mpirun and then Horovod's Gloo controller")
     horovod.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size")
     horovod.add_argument("--no-gloo", action="store_true", help="skip the run under Horovod's Gloo controller")
+    horovod.add_argument("--cycle-time-ms", type=float, default=None,
+                         help="HOROVOD_CYCLE_TIME of the ranks (Horovod's default 1 ms; small messages wait for it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,9 +51,17 @@ def run(args: argparse.Namespace) -> int:
         module.run(args)  # prints its side-by-side table and ratios, writes the JSON
         return 0
     if args.link_rates:
-        if args.backend != "tf":
-            raise ConfigError("--link-rates works with --backend tf for now (emulated nodes run TF_CONFIG workers).")
-        record = {"benchmark": NAME, "backend": "tf", "links": [_run_tf(args, rate) for rate in args.link_rates]}
+        from tfdist.bench.allreduce_tcp import tcp_both_ways
+        from tfdist.cluster.emulated_network import parse_rate
+
+        for rate in args.link_rates:
+            parse_rate(rate)  # a bad rate fails before any worker starts
+        links = []
+        for rate in args.link_rates:
+            link = _run_tf(args, rate)
+            link["tcp"] = tcp_both_ways(rate, int(max(args.sizes_mb) * 2**20))  # the ceiling on the same link
+            links.append(link)
+        record = {"benchmark": NAME, "backend": "tf", "links": links}
         for link in record["links"]:
             _report(link)
     else:
@@ -78,13 +88,16 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
             raise ConfigError(f"all-reduce workers failed (exit code {code}):\n{log.getvalue()[-3000:]}")
         with open(result_path) as f:
             results = json.load(f)
+    burst = None
     if link_rate is not None:
-        from tfdist.cluster.emulated_network import parse_rate
+        from tfdist.cluster.emulated_network import parse_rate, tbf_burst_bytes
+
+        burst = tbf_burst_bytes(parse_rate(link_rate))
 
         for r in results:  # bus bandwidth as a share of each node's link: what a ring can at most carry
             r["busbw_over_link"] = r["busbw_gbps"] * 8e9 / parse_rate(link_rate)
     return {"benchmark": NAME, "backend": "tf", "engine": "tf.distribute.MultiWorkerMirroredStrategy, RING over gRPC",
-            "link_rate": link_rate or "loopback",
+            "link_rate": link_rate or "loopback", "tbf_burst_bytes": burst,
             "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
             "busbw_formula": "2(N-1)/N * bytes / median time", "results": results, "machine": machine()}
 
@@ -98,6 +111,10 @@ def _report(record: dict) -> None:
     for r in record.get("results", []):
         share = f"  {r['busbw_over_link']:10.2f}" if "busbw_over_link" in r else ""
         print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share}")
+    if "tcp" in record:
+        tcp = record["tcp"]
+        print(f"raw TCP over the same link, both ways, {tcp['bytes'] / 2**20:g} MB: "
+              f"{tcp['goodput_over_link']:.2f} x link")
 
 
 def _worker(argv: list[str]) -> int:

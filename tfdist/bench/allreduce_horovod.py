@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--np", type=int, default=2, help="ranks (processes) to run (default 2)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size (default 3)")
     p.add_argument("--no-gloo", action="store_true", help="skip the second run under Horovod's Gloo controller")
+    p.add_argument("--cycle-time-ms", type=float, default=None,
+                   help="HOROVOD_CYCLE_TIME of the ranks (Horovod's default: 1 ms); sets how long an all-reduce "
+                        "can wait for Horovod's background thread, which dominates small messages")
 
 
 def _base_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,9 +89,10 @@ def _worker(args: argparse.Namespace) -> None:
     timings: dict[str, dict[str, list[float]]] = {}
     for size_mb in args.sizes_mb:
         floats = int(size_mb * 1024 * 1024 / 4)
-        x = tf.random.uniform([floats], seed=hvd.rank())
-        grads = [tf.random.uniform(s) for s in _grad_shapes(floats)]
-        send = np.random.default_rng(hvd.rank()).random(floats, dtype=np.float32)
+        # Every rank sends rank + 1 everywhere: each engine's result must be n(n+1)/2 everywhere (checked below).
+        x = tf.fill([floats], float(hvd.rank() + 1))
+        grads = [tf.fill(s, float(hvd.rank() + 1)) for s in _grad_shapes(floats)]
+        send = np.full(floats, hvd.rank() + 1, np.float32)
         recv = np.empty_like(send)
         engines = {
             "horovod": lambda: raw(x).numpy(),
@@ -109,24 +113,47 @@ def _worker(args: argparse.Namespace) -> None:
                     engines[name]()
                     per_engine[name].append(time.perf_counter() - start)
         timings[str(size_mb)] = per_engine
+        _check_results(size_mb, n, raw(x).numpy(), [g.numpy() for g in strategy_step(grads)],
+                       recv if comm is not None else None)
     if hvd.rank() == 0:
         with open(args.json, "w") as f:
             json.dump({"ranks": n, "controller": "mpi" if hvd.mpi_enabled() else "gloo", "timings": timings,
+                       "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"])
+                       if "HOROVOD_CYCLE_TIME" in os.environ else None,
                        "fusion_threshold_bytes": int(os.environ["HOROVOD_FUSION_THRESHOLD"])
                        if "HOROVOD_FUSION_THRESHOLD" in os.environ else None}, f)
 
 
-def _launch(args: argparse.Namespace, controller: str, out: str) -> dict:
+def _check_results(size_mb: float, n: int, raw, strategy: list, mpi4py) -> None:
+    """Each engine's last result: every element n(n+1)/2 (ranks sent rank + 1), or RuntimeError naming it."""
+    want = n * (n + 1) / 2
+    results = {"hvd.allreduce": [raw], "HorovodStrategy": strategy}
+    if mpi4py is not None:
+        results["mpi4py"] = [mpi4py]
+    for engine, arrays in results.items():
+        if any(a.min() != want or a.max() != want for a in arrays):
+            got = sorted({float(a.min()) for a in arrays} | {float(a.max()) for a in arrays})
+            raise RuntimeError(f"{engine} all-reduce of {size_mb:g} MB returned values {got}, expected {want} "
+                               f"everywhere")
+
+
+def _launch(args: argparse.Namespace, controller: str, out: str, link_rate: str | None = None) -> dict:
     """Runs the ranks under `controller` ("mpi": mpirun; "gloo": tfdist's launcher with Horovod's Gloo
-    rendezvous) and returns what rank 0 wrote to `out`."""
+    rendezvous, on emulated nodes linked at `link_rate` if given) and returns what rank 0 wrote to `out`."""
     from tfdist.bench.processes import module_command, run_workers
 
     cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=args.sizes_mb, iters=args.iters,
                          rounds=args.rounds, json=out)
     launcher = "mpirun" if controller == "mpi" else "horovod"
-    code = run_workers(cmd, args.np, launcher=launcher, mpirun_options=["--oversubscribe"])
+    # faulthandler: a rank that dies of a signal (issue 16: a SIGSEGV at start-up) prints its Python stacks.
+    env = {"PYTHONFAULTHANDLER": "1"}
+    if getattr(args, "cycle_time_ms", None) is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
+    code = run_workers(cmd, args.np, launcher=launcher, mpirun_options=["--oversubscribe"], env=env,
+                       link_rate=link_rate)
     if code != 0:
-        raise RuntimeError(f"benchmark ranks failed under {launcher}: exit code {code}")
+        signal = f" (killed by signal {code - 128}; the ranks' stacks are above)" if code > 128 else ""
+        raise RuntimeError(f"benchmark ranks failed under {launcher}: exit code {code}{signal}")
     with open(out) as f:
         return json.load(f)
 
@@ -137,6 +164,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from tfdist.bench.common import bus_bandwidth, machine, write_json
 
+    if getattr(args, "link_rates", None):
+        return run_links(args)
     for name, default in (("np", 2), ("rounds", 3), ("no_gloo", False)):
         if not hasattr(args, name):
             setattr(args, name, default)
@@ -185,6 +214,48 @@ def run(args: argparse.Namespace) -> dict:
               "fusion_threshold_bytes": {c: r.get("fusion_threshold_bytes") for c, r in runs.items()},
               "iters": args.iters, "rounds": args.rounds, "results": results, "ratios": ratios,
               "target_strategy_over_horovod_16mb": TARGET_RATIO, "pass": verdict, "machine": machine()}
+    write_json(args.json, record)
+    return record
+
+
+def run_links(args: argparse.Namespace) -> dict:
+    """`--link-rates`: the ranks on emulated nodes (Gloo through tfdist's launcher: mpirun cannot start a rank per
+    network namespace), one run per rate, with raw TCP over the same link as the ceiling. Writes JSON, returns it."""
+    import statistics
+
+    from tfdist.bench.allreduce_tcp import tcp_both_ways
+    from tfdist.bench.common import bus_bandwidth, machine, write_json
+    from tfdist.cluster.emulated_network import parse_rate, tbf_burst_bytes
+
+    for name, default in (("np", 2), ("rounds", 3)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    links = []
+    for rate in args.link_rates:
+        with tempfile.TemporaryDirectory(prefix="tfdist-bench-") as tmp:
+            data = _launch(args, "gloo", os.path.join(tmp, "gloo.json"), link_rate=rate)
+        link = parse_rate(rate)
+        results: dict[str, dict[str, dict]] = {}
+        for size, per_engine in data["timings"].items():
+            nbytes = float(size) * 1024 * 1024
+            for engine, seconds in per_engine.items():
+                t = statistics.median(seconds)
+                busbw = bus_bandwidth(nbytes, t, args.np)
+                results.setdefault(f"{engine}-gloo", {})[f"{float(size):g}"] = {
+                    "median_ms": 1000 * t, "busbw_gbps": busbw / 1e9, "busbw_over_link": busbw * 8 / link,
+                    "samples": len(seconds)}
+        tcp = tcp_both_ways(rate, int(max(args.sizes_mb) * 2**20))
+        links.append({"link_rate": rate, "tbf_burst_bytes": tbf_burst_bytes(link), "results": results, "tcp": tcp})
+        print(f"link {rate}: bus bandwidth / link rate, {args.np} ranks on emulated nodes, Gloo, median of "
+              f"{args.iters} x {args.rounds} rounds")
+        sizes = [f"{float(s):g}" for s in args.sizes_mb]
+        print(f"{'engine':22s}" + "".join(f"{s + ' MB':>10s}" for s in sizes))
+        for label, per_size in results.items():
+            print(f"{label:22s}" + "".join(f"{per_size[s]['busbw_over_link']:10.2f}" for s in sizes))
+        print(f"{'raw TCP, both ways':22s}{tcp['goodput_over_link']:10.2f}  ({max(args.sizes_mb):g} MB each way)")
+    record = {"benchmark": "allreduce", "backend": "horovod", "controller": "gloo", "ranks": args.np,
+              "sizes_mb": args.sizes_mb, "iters": args.iters, "rounds": args.rounds, "links": links,
+              "busbw_formula": "2(N-1)/N * bytes / median time", "machine": machine()}
     write_json(args.json, record)
     return record
 

@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "network (see docs/security.md)")
     p.add_argument("--link-rate", default=None, metavar="RATE",
                    help="run each worker on an emulated node whose link runs at RATE (e.g. 1gbit, 10gbit; "
-                        "network namespaces + tc, root only; --backend tf)")
+                        "network namespaces + tc, root only; --backend tf or horovod)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
 

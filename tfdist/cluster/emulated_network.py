@@ -19,14 +19,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
+import tempfile
 from collections.abc import Sequence
 
 from tfdist.errors import ConfigError
 
-__all__ = ["EmulatedNetwork", "parse_rate", "unavailable_reason"]
+__all__ = ["EmulatedNetwork", "parse_rate", "tbf_burst_bytes", "unavailable_reason"]
 
-TOOLS = ("ip", "tc", "nsenter")
+TOOLS = ("ip", "tc", "nsenter", "unshare")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -39,6 +41,21 @@ def parse_rate(rate: str) -> int:
     if bits < 1e6:
         raise ConfigError(f"link rate {rate!r} is below 1mbit: too slow for a training job.")
     return int(bits)
+
+
+def tbf_burst_bytes(bits_per_second: int) -> int:
+    """The token bucket of a node's tbf: 10 ms of traffic, never below 64 KB (one GSO packet).
+
+    tbf needs a bucket of at least one timer tick of traffic (HZ >= 100), or the rate falls short of the one
+    asked for when its timer fires late on a busy machine (measured at 1 gbit, load ~11: raw TCP 0.96 x link
+    with 10 ms, 0.83 with 1 ms one way). The price: after an idle moment a node sends this many bytes at
+    veth speed, so messages not much larger than the bucket (1 MB at 1 gbit) look faster than the link.
+
+    Example:
+        >>> tbf_burst_bytes(parse_rate("1gbit"))
+        1250000
+    """
+    return max(64 * 1024, bits_per_second // 8 // 100)
 
 
 def unavailable_reason() -> str | None:
@@ -78,6 +95,7 @@ class EmulatedNetwork:
         self.netns = [f"tfdnode{tag}-{i}" for i in range(nodes)]
         self._veth = [f"tfdn{tag}v{i}" for i in range(nodes)]
         self._subnet: str | None = None
+        self._hosts_dir: str | None = None  # per-node hosts files (see command)
         self._made: list[tuple[str, str]] = []  # ("netns"|"link", name), undone in reverse
 
     # --- what a job needs -------------------------------------------------------------------------
@@ -87,13 +105,27 @@ class EmulatedNetwork:
             raise RuntimeError("EmulatedNetwork: use it inside `with` (the network exists only there)")
         return f"{self._subnet}.{node + 2}"
 
+    def gateway(self) -> str:
+        """This machine's address on the emulated network (the bridge): where a server that runs outside the
+        nodes, such as the launcher's Horovod rendezvous, listens so that every node can reach it."""
+        if self._subnet is None:
+            raise RuntimeError("EmulatedNetwork: use it inside `with` (the network exists only there)")
+        return f"{self._subnet}.1"
+
     def interface(self, node: int) -> str:
         """The name of node `node`'s link inside its namespace (e.g. for HOROVOD_GLOO_IFACE)."""
         return self._veth[node] + "p"
 
     def command(self, node: int, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside node `node`'s network namespace."""
-        return ["nsenter", f"--net=/run/netns/{self.netns[node]}", "--", *argv]
+        """`argv` run inside node `node`'s network namespace, where this machine's hostname resolves to the
+        node's own address (a private mount namespace binds the node's hosts file on /etc/hosts), as on a real
+        node: programs that find their address from the hostname (Gloo does) get the node's."""
+        enter = ["nsenter", f"--net=/run/netns/{self.netns[node]}", "--"]
+        if self._hosts_dir is None:
+            return [*enter, *argv]
+        hosts = os.path.join(self._hosts_dir, f"hosts{node}")
+        return [*enter, "unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount --bind "$0" /etc/hosts && exec "$@"', hosts, *argv]
 
     def qdisc(self, node: int) -> str:
         """`tc qdisc show` of node `node`'s link (what shapes it)."""
@@ -115,7 +147,13 @@ class EmulatedNetwork:
         self.close()
 
     def _make(self) -> None:
+        _remove_stale_networks()
         self._subnet = self._free_subnet()
+        self._hosts_dir = tempfile.mkdtemp(prefix="tfdist-nodes-")
+        name = socket.gethostname()
+        for node in range(self.nodes):
+            with open(os.path.join(self._hosts_dir, f"hosts{node}"), "w") as f:
+                f.write(f"127.0.0.1\tlocalhost\n{self.address(node)}\t{name}\n")
         _sh("ip", "link", "add", self.bridge, "type", "bridge")
         self._made.append(("link", self.bridge))
         _sh("ip", "addr", "add", f"{self._subnet}.1/24", "dev", self.bridge)
@@ -133,9 +171,7 @@ class EmulatedNetwork:
             _sh(*inside, "link", "set", inner, "up")
             _sh(*inside, "link", "set", "lo", "up")
             if self.bits_per_second is not None:
-                # tbf needs a bucket of at least one timer tick of traffic (HZ >= 100), or the rate
-                # falls short of the one asked for: 10 ms worth, and never below 64 KB.
-                burst = max(64 * 1024, self.bits_per_second // 8 // 100)
+                burst = tbf_burst_bytes(self.bits_per_second)
                 _sh(*self.command(node, ["tc", "qdisc", "add", "dev", inner, "root", "tbf", "rate", str(self.rate),
                                          "burst", str(burst), "latency", "50ms"]))
 
@@ -148,6 +184,9 @@ class EmulatedNetwork:
             else:
                 _sh("ip", "link", "del", name, check=False)
         self._subnet = None
+        if self._hosts_dir is not None:
+            shutil.rmtree(self._hosts_dir, ignore_errors=True)
+            self._hosts_dir = None
 
     @staticmethod
     def _free_subnet() -> str:
@@ -157,3 +196,25 @@ class EmulatedNetwork:
             if f"{subnet}." not in used:
                 return subnet
         raise RuntimeError("no free 10.214.x.0/24 subnet for the emulated network")
+
+
+def _remove_stale_networks() -> list[str]:
+    """Removes the namespaces and bridges of emulated networks whose process is gone (a job killed before
+    its `with` block could close them); returns their names. Names carry the maker's PID (`tfdnode{pid}-i`,
+    `tfdnb{pid}`), so a live network is never touched."""
+    stale = []
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        m = re.match(r"tfdnode(\d+)-\d+\b", line)
+        if m and not _alive(int(m.group(1))):
+            stale.append(("netns", line.split()[0]))
+    for m in re.finditer(r"^\d+: (tfdnb(\d+))[:@]", _sh("ip", "-o", "link", "show", check=False).stdout, re.M):
+        if not _alive(int(m.group(2))):
+            stale.append(("link", m.group(1)))
+    for kind, name in stale:
+        _sh("ip", kind, "del", name, check=False)
+    return [name for _, name in stale]
+
+
+def _alive(tag: int) -> bool:
+    # the tag is the PID modulo 100000: any live process with that remainder keeps the network
+    return any(int(pid) % 100000 == tag for pid in os.listdir("/proc") if pid.isdigit())

@@ -44,6 +44,10 @@ BACKENDS: dict[str, str] = {
     "horovod": "tfdist.cluster.backends:GlooBackend",
 }
 
+# backend name -> "module:attribute" of a factory(network) of that backend on emulated nodes (--link-rate), for
+# backends whose ranks need more than an address per node (Horovod/Gloo: the rendezvous and each node's interface).
+ON_NODES: dict[str, str] = {"horovod": "tfdist.cluster.gloo_nodes:GlooNodesBackend"}
+
 # --network: "private" (a network namespace with loopback only, for backends whose servers listen on
 # every interface) or "host".
 NETWORKS = ("private", "host")
@@ -103,9 +107,10 @@ def launch(
     (default DEFAULT_MAX_RESTARTS) and the job goes on; a parameter server that ends is reported, not
     restarted. The list `on_start` receives is kept current: a restarted worker replaces its entry.
 
-    With `link_rate` (e.g. "1gbit"; backend "tf", no `ps`), every worker runs on a node of its own: a
-    network namespace whose link to the others is shaped at that rate (tfdist.cluster.emulated_network;
-    root only), and its TF_CONFIG address is the node's.
+    With `link_rate` (e.g. "1gbit"; backend "tf" or "horovod", no `ps`), every worker runs on a node of its
+    own: a network namespace whose link to the others is shaped at that rate (tfdist.cluster.emulated_network;
+    root only); its TF_CONFIG address is the node's ("tf"), or its Gloo pairs bind the node's interface and
+    meet at a rendezvous on the network's gateway ("horovod", tfdist.cluster.gloo_nodes).
 
     Example:
         >>> launch(["python", "train.py"], 2)       # same as: tfdist launch -n 2 -- python train.py
@@ -142,6 +147,8 @@ def launch(
         def environments():
             if nodes is None:
                 return backend.environments(n, devices_per_worker)
+            if _name(backend) in ON_NODES and not getattr(backend, "supports_hosts", False):
+                return _on_nodes(_name(backend), nodes).environments(n, devices_per_worker)
             return backend.environments(n, devices_per_worker, hosts=[nodes.address(i) for i in range(n)])
 
         try:
@@ -202,11 +209,22 @@ def _network(backend: LaunchBackend, network: str, say: Callable[[str], None], l
             yield net.command_prefix, None
 
 
+def _name(backend: LaunchBackend) -> str:
+    return getattr(backend, "name", type(backend).__name__)
+
+
+def _on_nodes(name: str, nodes: EmulatedNetwork) -> LaunchBackend:
+    """The backend called `name` bound to the emulated network `nodes` (see ON_NODES)."""
+    module_name, _, attr = ON_NODES[name].partition(":")
+    return getattr(importlib.import_module(module_name), attr)(nodes)
+
+
 def _check_link_rate(backend: LaunchBackend, ps: int | None, link_rate: str) -> None:
-    name = getattr(backend, "name", type(backend).__name__)
-    if ps is not None or not getattr(backend, "supports_hosts", False):
-        raise ConfigError(f"--link-rate (emulated nodes) works with --backend tf and no --ps for now; got --backend "
-                          f"{name!r}{' with --ps' if ps is not None else ''}. Drop --link-rate, or use --backend tf.")
+    name = _name(backend)
+    if ps is not None or not (getattr(backend, "supports_hosts", False) or name in ON_NODES):
+        raise ConfigError(f"--link-rate (emulated nodes) works with --backend tf or horovod and no --ps; got "
+                          f"--backend {name!r}{' with --ps' if ps is not None else ''}. Drop --link-rate"
+                          f"{' or --ps' if ps is not None else ''}.")
     parse_rate(link_rate)  # a bad rate fails here, before anything starts
 
 

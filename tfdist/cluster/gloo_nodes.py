@@ -1,0 +1,73 @@
+"""Horovod/Gloo ranks on emulated nodes: what `tfdist launch --backend horovod --link-rate RATE` runs.
+
+Each rank is a node of an EmulatedNetwork (its own network namespace and shaped link): Horovod's
+rendezvous server listens on the network's gateway (the bridge, in the launcher's namespace), and every
+rank's Gloo pairs bind its node's interface, so all of its collective traffic crosses the shaped link.
+The plan names one host per node (`node0:1,node1:1,...`): local_size 1, cross_size n, as on n machines.
+
+Horovod 0.28.1 makes the Gloo contexts of its process sets (process set 0 included, which carries every
+collective) from this machine's hostname, whatever HOROVOD_GLOO_IFACE says (`InitializeForProcessSet` in
+horovod/common/gloo/gloo_context.cc leaves the device's interface empty, and Gloo then binds the address the
+hostname resolves to). EmulatedNetwork resolves the hostname to the node's own address inside each node, as
+on a real machine, so those pairs bind the node's address and their traffic crosses the shaped link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from tfdist.cluster.backends import GlooBackend
+from tfdist.cluster.emulated_network import EmulatedNetwork
+from tfdist.errors import ConfigError
+
+__all__ = ["GlooNodesBackend"]
+
+
+class GlooNodesBackend(GlooBackend):
+    """Launcher backend "horovod" on an emulated network: rank i on node i.
+
+    Args:
+        network: the EmulatedNetwork the launcher made (open: inside its `with`), one node per rank.
+
+    Example:
+        >>> with EmulatedNetwork(2, "1gbit") as net:
+        ...     with GlooNodesBackend(net).environments(2, devices_per_worker=1) as envs:
+        ...         procs = [subprocess.Popen(net.command(i, ["python", "train.py"]), env={**os.environ, **e})
+        ...                  for i, e in enumerate(envs)]
+    """
+
+    def __init__(self, network: EmulatedNetwork, verbose: int = 0):
+        super().__init__(host=network.gateway(), iface="", verbose=verbose)
+        self.network = network
+
+    @contextlib.contextmanager
+    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+        if n != self.network.nodes:
+            raise ConfigError(f"GlooNodesBackend: the emulated network has {self.network.nodes} nodes, one per rank; "
+                              f"got n={n} ranks. Make the network with nodes={n}.")
+        if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
+            raise ConfigError(f"GlooNodesBackend: devices_per_worker must be a whole number >= 1, "
+                              f"got {devices_per_worker!r}.")
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.http.http_server import (
+            RendezvousHandler,
+            RendezvousHTTPServer,
+        )
+
+        plan = get_host_assignments(parse_hosts(",".join(f"node{i}:1" for i in range(n))), n)
+        # Port 0: the kernel picks a free port on the gateway, which every node reaches over its link.
+        server = RendezvousHTTPServer((self.host, 0), RendezvousHandler, self.verbose)
+        server.init(plan)
+        port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True)
+        thread.start()
+        try:
+            # slot.rank == i here (one slot per host, hosts in order): rank i binds node i's interface.
+            yield [{**self._rank_env(slot, port, slot.hostname, devices_per_worker),
+                    "HOROVOD_GLOO_IFACE": self.network.interface(slot.rank)} for slot in plan]
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=10)
