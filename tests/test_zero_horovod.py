@@ -182,7 +182,7 @@ def test_bad_input_gives_config_errors(python):
     out = python("""
         import numpy as np, keras, tfdist
         from tfdist.errors import ConfigError
-        for kwargs, words in (({"zero_stage": 3}, "supported stages are {0, 1, 2}"),
+        for kwargs, words in (({"zero_stage": 4}, "supported stages are {0, 1, 2}"),
                               ({"zero_stage": "1"}, "not supported"),
                               ({"offload": True}, "needs zero_stage=1 or 2")):
             try:

@@ -58,7 +58,7 @@ def _launch(script, n: int, devices: int, *args: str) -> str:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"zero_stage": 3}, "supported stages are {0, 1, 2}"),
+    ({"zero_stage": 4}, "supported stages are {0, 1, 2}"),
     ({"zero_stage": "1"}, "supported stages are {0, 1, 2}"),
     ({"zero_stage": 1, "offload": "yes"}, "offload must be True or False"),
     ({"offload": True}, "needs zero_stage=1 or 2"),

@@ -36,12 +36,14 @@ def original_call(layer) -> Callable:
 
 
 def local_replica_index(ctx: tf.distribute.ReplicaContext) -> int:
-    """Index of the replica whose function runs in this thread, among the strategy's local replicas
-    (MirroredStrategy keeps it as a Python int; the public `replica_id_in_sync_group` is a tensor)."""
+    """Index of the replica whose function runs in this thread, among this process's local replicas
+    (MirroredStrategy keeps the global index as a Python int; the public `replica_id_in_sync_group` is a
+    tensor; MultiWorkerMirroredStrategy / HorovodStrategy map global to local with `_get_local_replica_id`)."""
     replica = ctx._replica_id_in_sync_group
     if not isinstance(replica, int):
         replica = tf.get_static_value(replica)
-    return int(replica)
+    # Multi-process strategies number replicas globally (worker * M + local); the pieces are per process.
+    return int(ctx.strategy.extended._get_local_replica_id(int(replica)))
 
 
 def reset_step_functions(model) -> None:

@@ -3,8 +3,8 @@
 from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
 from tfdist.sharding.attach import (building_optimizers, configure_stage3, cross_process_engine, engine_of,
                                     gathered_state, register_strategy)
-from tfdist.sharding.config import (SUPPORTED_STAGES, ZeroConfig, check_options, check_unit_bytes,
-                                    register_elementwise)
+from tfdist.sharding.config import (SUPPORTED_STAGES, ZeroConfig, check_options, check_stage3_options,
+                                    check_unit_bytes, register_elementwise)
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
 from tfdist.sharding.layout import FlatLayout
@@ -16,6 +16,6 @@ from tfdist.sharding.zero3_layout import ParamShardLayout
 
 __all__ = ["FlatLayout", "FsdpParam", "FsdpUnit", "LocalCollectives", "MemoryReport", "ParamShardLayout",
            "SUPPORTED_STAGES", "ShardCollectives", "SlotShards", "Zero3Engine", "ZeroConfig", "ZeroEngine",
-           "building_optimizers", "check_options", "check_unit_bytes", "configure_stage3",
+           "building_optimizers", "check_options", "check_stage3_options", "check_unit_bytes", "configure_stage3",
            "cross_process_engine", "engine_of", "gathered_state", "memory_report", "register_elementwise",
            "register_strategy", "zero_formula"]

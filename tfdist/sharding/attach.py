@@ -38,9 +38,6 @@ def register_strategy(strategy: tf.distribute.Strategy, config: ZeroConfig | Non
     Every registered strategy, even at stage 0, gets the clear error for an optimizer created
     outside its scope.
     """
-    if config is not None and config.stage == 3 and not config.collectives.all_local:
-        raise ConfigError("zero_stage=3 is supported within one process (tfdist.MirroredStrategy) only so far; "
-                          "supported stages across processes are {0, 1, 2}.")
     _strategies[strategy] = config
 
 

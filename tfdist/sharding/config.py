@@ -10,7 +10,7 @@ import numpy as np
 from tfdist.comm.shard_collectives import ShardCollectives
 from tfdist.errors import ConfigError
 
-__all__ = ["SUPPORTED_STAGES", "ZeroConfig", "check_options", "check_unit_bytes",
+__all__ = ["SUPPORTED_STAGES", "ZeroConfig", "check_options", "check_stage3_options", "check_unit_bytes",
            "check_stage", "refusal", "register_elementwise",
            "sharded_optimizer_names"]
 
@@ -105,8 +105,8 @@ def check_unit_bytes(fsdp_unit_bytes, zero_stage: int = 3) -> int | None:
 def check_stage(zero_stage, stages: tuple[int, ...] = SUPPORTED_STAGES) -> int:
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
             or int(zero_stage) not in stages:
-        hint = (" Stage 3 (partitioned parameters) is supported on tfdist.MirroredStrategy (one process) only "
-                "so far." if zero_stage == 3 and 3 not in stages else "")
+        hint = (" Stage 3 (partitioned parameters) runs on tfdist.MirroredStrategy, MultiWorkerMirroredStrategy "
+                "and HorovodStrategy." if zero_stage == 3 and 3 not in stages else "")
         also = ", and 3 (parameters sharded too) on this strategy" if 3 in stages else ""
         raise ConfigError(f"zero_stage={zero_stage!r} is not supported; supported stages are "
                           f"{set(SUPPORTED_STAGES)} (0: plain data parallel, 1: optimizer state sharded, "
@@ -127,3 +127,15 @@ def check_options(zero_stage, offload, stages: tuple[int, ...] = SUPPORTED_STAGE
     if offload and stage == 3:
         raise ConfigError("offload=True is not supported with zero_stage=3 yet; it needs zero_stage=1 or 2.")
     return stage, offload
+
+
+def check_stage3_options(zero_stage: int, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch) -> None:
+    """A strategy's ZeRO-3 arguments, checked before it starts anything (cluster, Horovod, TF's runtime).
+
+    Example:
+        >>> check_stage3_options(3, 4 * 2**20, True, False)   # fine; zero_stage=2 would be a ConfigError
+    """
+    check_unit_bytes(fsdp_unit_bytes, zero_stage)
+    for name, flag in (("reshard_after_forward", reshard_after_forward), ("fsdp_prefetch", fsdp_prefetch)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}.")

@@ -50,7 +50,8 @@ class FsdpParam(SavedTensor):
         (8, 16)
     """
 
-    def __init__(self, name: str, shape, dtype, components: list, num_shards: int, host_device: str):
+    def __init__(self, name: str, shape, dtype, components: list, num_shards: int, host_device: str,
+                 shard_ids: list[int] | None = None, gather=None):
         self.name = name
         self.path = name
         self.shape = tf.TensorShape(shape)
@@ -63,15 +64,29 @@ class FsdpParam(SavedTensor):
         self.trainable = True
         self.owner: str | None = None  # name of the layer whose unit gathers it
         self._unique_id = f"tfdist_fsdp_{next(_ids)}"
+        # Global replica (piece) index of each local component; across processes, the other pieces live
+        # in other processes and `gather(param)` (the engine's, collective) assembles the flat value.
+        self.shard_ids = list(range(len(self.components))) if shard_ids is None else list(shard_ids)
+        self._gather = gather
 
     # --- the full (logical) value ----------------------------------------------------------------
+    @property
+    def all_local(self) -> bool:
+        """True when every piece lives in this process."""
+        return len(self.components) == self.num_shards
+
     def read(self) -> tf.Tensor:
-        parts = []
-        for c in self.components:
-            with tf.device(c.device):
-                parts.append(tf.identity(c))
-        with tf.device(self.save_device):
+        """The full value on the host. Across processes a collective (every process reads the same
+        variables in the same order; see `Zero3Engine.gather_param`)."""
+        if not self.all_local:
+            flat = self._gather(self)
+        else:
+            parts = []
+            for c in self.components:
+                with tf.device(c.device):
+                    parts.append(tf.identity(c))
             flat = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+        with tf.device(self.save_device):
             return tf.reshape(flat[:self.size], self.shape)
 
     def write(self, value) -> None:
@@ -82,7 +97,7 @@ class FsdpParam(SavedTensor):
                               "different model.")
         k, n = self.piece_size, self.num_shards
         flat = tf.pad(tf.reshape(tf.cast(value, self.dtype), [-1]), [[0, k * n - self.size]])
-        for r, c in enumerate(self.components):
+        for r, c in zip(self.shard_ids, self.components):  # this process's pieces only
             with tf.device(c.device):
                 c.assign(flat[r * k:(r + 1) * k])
 

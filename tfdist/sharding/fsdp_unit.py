@@ -156,7 +156,8 @@ class FsdpUnit:
         return out
 
     def _merge_gather(self, strategy, local):
-        return _per_replica(strategy, self.comm.all_gather(list(strategy.experimental_local_results(local))))
+        return _per_replica(strategy, self.comm.all_gather(list(strategy.experimental_local_results(local))),
+                            self.comm.shard_ids[0])
 
     def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
         """This replica's pieces of the sum over replicas of the weight gradients."""
@@ -177,7 +178,7 @@ class FsdpUnit:
     def _merge_reduce_scatter(self, strategy, *chunks):
         local = [strategy.experimental_local_results(c) for c in chunks]  # [destination][local replica]
         return _per_replica(strategy, self.comm.reduce_scatter(
-            [[local[r][i] for r in range(len(chunks))] for i in range(len(self.comm.devices))]))
+            [[local[r][i] for r in range(len(chunks))] for i in range(len(self.comm.devices))]), self.comm.shard_ids[0])
 
 
 class _LastIssued(threading.local):
@@ -197,6 +198,7 @@ class _LastIssued(threading.local):
 _last = _LastIssued()
 
 
-def _per_replica(strategy, values: list):
-    """Replica i gets values[i] back from a merge_call."""
-    return strategy.experimental_distribute_values_from_function(lambda ctx: values[ctx.replica_id_in_sync_group])
+def _per_replica(strategy, values: list, first: int):
+    """Local replica i (global replica `first + i`) gets values[i] back from a merge_call."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: values[ctx.replica_id_in_sync_group - first])

@@ -12,8 +12,9 @@ from tfdist.errors import ConfigError
 from tfdist.sharding.config import ZeroConfig
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
-from tfdist.sharding.zero3_layout import ParamShardLayout
 from tfdist.sharding.zero import ZeroEngine
+from tfdist.sharding.zero3_layout import ParamShardLayout
+from tfdist.sharding.zero3_state import Zero3State
 
 __all__ = ["Zero3Engine", "enable_stage3"]
 
@@ -40,6 +41,9 @@ class Zero3Engine(ZeroEngine):
         self.params: list[FsdpParam] = []  # filled by enable_stage3 once the variables are converted
         self.units: list[FsdpUnit] = []
         super().__init__(optimizer, variables, config)
+        # Before the optimizer makes its slots (they keep the state they are given): saving then reads the
+        # parameters collectively too.
+        self.state = Zero3State(self.state, lambda: self.params)
         self.reduce_scatters = True
 
     def _make_layout(self, shapes: list) -> ParamShardLayout:
@@ -145,7 +149,8 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
                 with tf.device(device):
                     pieces.append(tf.Variable(flat[r * k:(r + 1) * k], trainable=True,
                                               name=f"{v.path.replace('/', '_')}_fsdp{r}"))
-            made.append(FsdpParam(v.path, v.shape, v.dtype, pieces, comm.num_shards, config.host_device))
+            made.append(FsdpParam(v.path, v.shape, v.dtype, pieces, comm.num_shards, config.host_device,
+                                  shard_ids=list(comm.shard_ids), gather=engine.state.gather_param))
         return made
 
     engine.params = tf_runtime.outside_any_strategy(build)

@@ -48,8 +48,13 @@ class DataParallel:
     gradient_path: GradientPath | None = None
     _no_sync_depth: int = 0
 
-    def _check_zero_options(self, zero_stage, offload) -> None:
+    def _check_zero_options(self, zero_stage, offload, fsdp_unit_bytes=None, reshard_after_forward: bool = True,
+                            fsdp_prefetch: bool = False) -> None:
+        """Checks ZeRO's arguments (stage 3's too) before the strategy starts anything."""
         self.zero_stage, self.offload = sharding.check_options(zero_stage, offload, stages=self.zero_stages)
+        sharding.check_stage3_options(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
+        self._stage3_options = {"unit_bytes": fsdp_unit_bytes, "reshard_after_forward": reshard_after_forward,
+                                "prefetch": fsdp_prefetch}
 
     def _register_sharding(self, make_collectives: Callable[[], ShardCollectives], host_device: str | None = None):
         config = None
@@ -57,6 +62,8 @@ class DataParallel:
             extra = {} if host_device is None else {"host_device": host_device}
             config = sharding.ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
         sharding.register_strategy(self, config)
+        if self.zero_stage == 3:
+            sharding.configure_stage3(self, **self._stage3_options)
 
     def _attach_uneven_data(self, mode: str, fused: bool) -> None:
         """Agrees on uneven per-rank data when this strategy spans several processes (one process: one

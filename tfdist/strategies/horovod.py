@@ -64,7 +64,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         require_launcher: raise ConfigError when no launcher started this process (default: run as
             a one-process job).
         zero_stage: 0 (plain data parallel), 1 (optimizer state sharded across all replicas of all
-            processes: each rank keeps 1/N of it) or 2 (gradients reduce-scattered too), as in
+            processes: each rank keeps 1/N of it), 2 (gradients reduce-scattered too) or 3 (parameters
+            sharded too, all-gathered across the ranks per layer for its forward and backward: FSDP), as in
             `tfdist.MirroredStrategy`. The shards move with `hvd.alltoall` (+ a local sum) / `hvd.allgather`
             (tfdist.comm.horovod_shards). Saving a model or checkpoint gathers the full optimizer state:
             with zero_stage > 0 every rank must take part (tfdist.training.ModelCheckpoint,
@@ -83,6 +84,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             (DDP: 25): gradients all-reduced in buckets, each as soon as its gradients exist, as in
             `tfdist.MirroredStrategy`; `register_comm_hook` compresses them (then without `compression`).
             zero_stage 0 only.
+        fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
+            `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -105,6 +108,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         >>> tfdist.training.save_model(model, "cnn.keras")  # on every rank: gathers; rank 0 writes
     """
 
+    zero_stages = (0, 1, 2, 3)  # stage 3: parameter pieces on every rank's replicas, gathered with hvd.allgather
+
     def __init__(
         self,
         local_devices: Sequence[str] | None = None,
@@ -117,9 +122,12 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         uneven_data: str = "stop",
         reuse_input_iterators: bool = True,
         bucket_cap_mb: float | None = None,
+        fsdp_unit_bytes: int | None = None,
+        reshard_after_forward: bool = True,
+        fsdp_prefetch: bool = False,
     ):
         check_options(compression, op)
-        self._check_zero_options(zero_stage, offload)
+        self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)

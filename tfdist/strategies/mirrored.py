@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist import sharding
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat.grad_path import with_gradient_path
 from tfdist.comm import cross_device_ops_from
@@ -91,15 +90,11 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
     ):
-        self._check_zero_options(zero_stage, offload)
-        sharding.check_unit_bytes(fsdp_unit_bytes, self.zero_stage)
+        self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
         extended = with_gradient_path(tf_distribute.MirroredExtended)
         tf_distribute.init_strategy(self, lambda: extended(self, devices=devices, cross_device_ops=ops))
         self._register_sharding(lambda: LocalCollectives(self.extended.worker_devices))
-        if self.zero_stage == 3:
-            sharding.configure_stage3(self, unit_bytes=fsdp_unit_bytes, reshard_after_forward=reshard_after_forward,
-                                      prefetch=fsdp_prefetch)
         self._attach_gradient_path(bucket_cap_mb)

@@ -58,9 +58,11 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         timeout_s: seconds to wait for peers at start-up and for any one collective.
         heartbeat_s: seconds of silence after which a peer counts as dead (default: min(timeout_s, 20)).
         zero_stage: 0 (every replica holds all optimizer state), 1 (each of the N*M replicas holds
-            1/(N*M) of it, as flat even shards) or 2 (and keeps only its 1/(N*M) of the summed
-            gradient, reduce-scattered with all-to-all collectives). Checkpoints still hold the full
-            logical optimizer state; every worker takes part in saving it (see tfdist.training.save_model).
+            1/(N*M) of it, as flat even shards), 2 (and keeps only its 1/(N*M) of the summed
+            gradient, reduce-scattered with all-to-all collectives) or 3 (and 1/(N*M) of the parameters,
+            all-gathered across the workers per layer for its forward and backward: FSDP; see docs/zero.md).
+            Checkpoints still hold the full logical model and optimizer state; every worker takes part in
+            saving it (see tfdist.training.save_model).
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in the
             worker's host memory instead of on the replica's device.
         uneven_data: what happens when the workers' datasets end at different steps: 'stop' (default:
@@ -74,6 +76,8 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         bucket_cap_mb: None (default: one all-reduce after the whole backward) or a size in MB (DDP: 25):
             gradients all-reduced in buckets, each as soon as its gradients exist, as in `tfdist.MirroredStrategy`;
             `register_comm_hook` compresses them. zero_stage 0 only.
+        fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
+            `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -96,6 +100,8 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         >>> tfdist.training.save_model(model, "model.keras")  # on every worker
     """
 
+    zero_stages = (0, 1, 2, 3)  # stage 3: parameter pieces on the N*M replicas, gathered across workers
+
     def __init__(
         self,
         cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
@@ -108,8 +114,11 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         uneven_data: str = "stop",
         reuse_input_iterators: bool = True,
         bucket_cap_mb: float | None = None,
+        fsdp_unit_bytes: int | None = None,
+        reshard_after_forward: bool = True,
+        fsdp_prefetch: bool = False,
     ):
-        self._check_zero_options(zero_stage, offload)
+        self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)
