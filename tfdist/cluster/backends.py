@@ -121,7 +121,7 @@ class GlooBackend:
     def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
         for name, value in (("n", n), ("devices_per_worker", devices_per_worker)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"GlooBackend: {name} must be a whole number >= 1, got {value!r}.")
+                raise ConfigError(f"{type(self).__name__}: {name} must be a whole number >= 1, got {value!r}.")
         try:
             from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
             from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
@@ -130,8 +130,7 @@ class GlooBackend:
 
             raise ImportError(f"{INSTALL_HINT} (import failed: {err})") from err
 
-        hostname = "localhost"
-        plan = get_host_assignments(parse_hosts(f"{hostname}:{n}"), n)
+        plan = get_host_assignments(parse_hosts(self._hosts(n)), n)
         # Port 0: the kernel picks a free port (horovodrun's own find_port tries random ones).
         server = RendezvousHTTPServer((self.host, 0), RendezvousHandler, self.verbose)
         server.init(plan)
@@ -139,11 +138,18 @@ class GlooBackend:
         thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True)
         thread.start()
         try:
-            yield [self._rank_env(slot, port, hostname, devices_per_worker) for slot in plan]
+            yield [self._slot_env(slot, port, devices_per_worker) for slot in plan]
         finally:
             server.shutdown()
             server.server_close()
             thread.join(timeout=10)
+
+    def _hosts(self, n: int) -> str:
+        """horovodrun's -H list: all ranks on this host."""
+        return f"localhost:{n}"
+
+    def _slot_env(self, slot, port: int, devices_per_worker: int) -> dict[str, str]:
+        return self._rank_env(slot, port, "localhost", devices_per_worker)
 
     def _rank_env(self, slot, port: int, hostname: str, devices_per_worker: int) -> dict[str, str]:
         return {

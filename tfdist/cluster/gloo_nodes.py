@@ -15,7 +15,6 @@ on a real machine, so those pairs bind the node's address and their traffic cros
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 from tfdist.cluster.backends import GlooBackend
@@ -47,27 +46,13 @@ class GlooNodesBackend(GlooBackend):
         if n != self.network.nodes:
             raise ConfigError(f"GlooNodesBackend: the emulated network has {self.network.nodes} nodes, one per rank; "
                               f"got n={n} ranks. Make the network with nodes={n}.")
-        if isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1:
-            raise ConfigError(f"GlooNodesBackend: devices_per_worker must be a whole number >= 1, "
-                              f"got {devices_per_worker!r}.")
-        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-        from horovod.runner.http.http_server import (
-            RendezvousHandler,
-            RendezvousHTTPServer,
-        )
+        with super().environments(n, devices_per_worker) as envs:
+            yield envs
 
-        plan = get_host_assignments(parse_hosts(",".join(f"node{i}:1" for i in range(n))), n)
-        # Port 0: the kernel picks a free port on the gateway, which every node reaches over its link.
-        server = RendezvousHTTPServer((self.host, 0), RendezvousHandler, self.verbose)
-        server.init(plan)
-        port = server.server_address[1]
-        thread = threading.Thread(target=server.serve_forever, name="horovod-rendezvous", daemon=True)
-        thread.start()
-        try:
-            # slot.rank == i here (one slot per host, hosts in order): rank i binds node i's interface.
-            yield [{**self._rank_env(slot, port, slot.hostname, devices_per_worker),
-                    "HOROVOD_GLOO_IFACE": self.network.interface(slot.rank)} for slot in plan]
-        finally:
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=10)
+    def _hosts(self, n: int) -> str:
+        return ",".join(f"node{i}:1" for i in range(n))  # one host per node: local_size 1, cross_size n
+
+    def _slot_env(self, slot, port: int, devices_per_worker: int) -> dict[str, str]:
+        # slot.rank == i here (one slot per host, hosts in order): rank i binds node i's interface.
+        return {**self._rank_env(slot, port, slot.hostname, devices_per_worker),
+                "HOROVOD_GLOO_IFACE": self.network.interface(slot.rank)}
