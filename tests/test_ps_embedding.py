@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tfdist.bench import zero_cgroups
 from tfdist.cluster.launcher import launch
 
 HERE = Path(__file__).parent
@@ -157,54 +156,29 @@ def test_update_arguments_are_split_by_the_rows_each_shard_owns():
 
 
 # --- A table larger than a server's memory -------------------------------------------------------------------
-CGROUPS = Path("/sys/fs/cgroup/memory")
 ROWS, DIM = 4_000_000, 64
 TABLE_MIB = ROWS * DIM * 4 / 2**20  # 976.6 MiB of float32
 CAP_MIB = 800  # per process; each of 4 servers needs ~650 (TF ~340 + its 244 MiB shard + init blocks)
 
 
 def _memory_cgroups_or_skip() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create memory cgroups")
-    if not (CGROUPS / "memory.limit_in_bytes").is_file():
-        pytest.skip("needs the cgroup v1 memory controller at /sys/fs/cgroup/memory")
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    if available < 5:
-        pytest.skip(f"needs ~4 GiB of free memory for 6 processes and the table; {available:.1f} GiB free")
+    reason = zero_cgroups.unavailable(free_gib=5)  # 6 processes and the table
+    if reason:
+        pytest.skip(reason)
 
 
 @contextlib.contextmanager
 def _capped_cgroups(tag: str, count: int, cap_mib: int):
-    """`count` memory cgroups PREFIX-rank0.., each capped at cap_mib (swap included); removed on exit, after
-    killing any process of ours still in them."""
-    prefix = f"tfdist-test-{os.getpid()}-{tag}"
-    groups = [CGROUPS / f"{prefix}-rank{rank}" for rank in range(count)]
-    try:
-        for group in groups:
-            group.mkdir()
-            (group / "memory.limit_in_bytes").write_text(str(cap_mib << 20))
-            if (group / "memory.memsw.limit_in_bytes").exists():
-                (group / "memory.memsw.limit_in_bytes").write_text(str(cap_mib << 20))
-        yield prefix, groups
-    finally:
-        for group in groups:
-            if not group.exists():
-                continue
-            for pid in (group / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    """`count` memory cgroups PREFIX-rank0.., each capped at cap_mib (tfdist.bench.zero_cgroups.capped)."""
+    with contextlib.ExitStack() as stack:
+        groups = [stack.enter_context(zero_cgroups.capped(f"{tag}-rank{rank}", cap_mib << 20))
+                  for rank in range(count)]
+        yield str(groups[0].name)[:-len("-rank0")], groups
 
 
 def _usage(group: Path) -> dict:
-    oom = (group / "memory.oom_control").read_text().split()
-    return {"peak_mib": int((group / "memory.max_usage_in_bytes").read_text()) / 2**20,
-            "oom_kills": int(dict(zip(oom[::2], oom[1::2])).get("oom_kill", 0))}
+    used = zero_cgroups.usage(group)
+    return {"peak_mib": used["peak"] / 2**20, "oom_kills": used["oom_kills"]}
 
 
 def _warm_page_cache() -> None:
