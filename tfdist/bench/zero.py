@@ -243,8 +243,6 @@ def _run_processes(args: argparse.Namespace) -> int:
     from tfdist.bench import zero_procs
     from tfdist.bench.common import machine, write_json
 
-    if 3 in args.stages:  # stage 3 exists on MirroredStrategy only (docs/zero.md)
-        print("note: --processes measures stages 0/1/2; stage 3 runs only in one process (MirroredStrategy)")
     record = {"benchmark": NAME, "mode": "processes", "optimizer": "Adam",
               "memory_model": f"mlp width {args.width}", **zero_procs.run_processes(args),
               "target_step_ratio_max": 1.10, "machine": machine()}

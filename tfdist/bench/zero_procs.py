@@ -1,4 +1,4 @@
-"""`tfdist bench zero --processes N`: peak RSS per process and step time of ZeRO-0/1/2 across real processes."""
+"""`tfdist bench zero --processes N`: peak RSS per process and step time of ZeRO-0/1/2/3 across real processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 # launcher backend -> tfdist strategy name (tfdist.strategies.factory)
 STRATEGY_OF_BACKEND = {"horovod": "horovod", "tf": "multiworker"}
 # Each stage runs twice. "pooled": TF's default CPU allocator (oneDNN build: a BFC pool whose regions
@@ -99,9 +99,10 @@ def run_processes(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--backend must be one of {sorted(STRATEGY_OF_BACKEND)}, got {args.backend!r}.")
     strategy = STRATEGY_OF_BACKEND[args.backend]
     n = args.processes
+    stages = sorted({0, *getattr(args, "stages", STAGES)} & set(STAGES))  # stage 0: the ratios are to it
     rows: dict[str, dict[int, list[dict]]] = {a: {} for a in ALLOCATORS}
     with tempfile.TemporaryDirectory(prefix="tfdist-bench-zero-") as out:
-        for stage in STAGES:
+        for stage in stages:
             for allocator, env in ALLOCATORS.items():
                 cmd = module_command("tfdist.bench.zero_procs", strategy=strategy, stage=stage, width=args.width,
                                      steps=args.proc_steps, batch_size=args.proc_batch_size, out=out,
@@ -114,26 +115,29 @@ def run_processes(args: argparse.Namespace) -> dict:
                                           for r in range(n)]
     pooled, returning = rows["pooled"], rows["returning"]
     num_params = pooled[0][0]["num_params"]
-    peak = {s: max(r["peak_rss_bytes"] for r in returning[s]) for s in STAGES}
-    pooled_peak = {s: max(r["peak_rss_bytes"] for r in pooled[s]) for s in STAGES}
+    peak = {s: max(r["peak_rss_bytes"] for r in returning[s]) for s in stages}
+    pooled_peak = {s: max(r["peak_rss_bytes"] for r in pooled[s]) for s in stages}
     tf_peak = {s: max(r["tf_step_peak_bytes"] for r in pooled[s]) if all(r["tf_step_peak_bytes"] for r in pooled[s])
-               else None for s in STAGES}
-    step = {s: max(r["median_step_ms"] for r in pooled[s]) for s in STAGES}
-    save = {s: max(r["save_seconds"] for r in pooled[s]) for s in STAGES}
+               else None for s in stages}
+    step = {s: max(r["median_step_ms"] for r in pooled[s]) for s in stages}
+    save = {s: max(r["save_seconds"] for r in pooled[s]) for s in stages}
     # Theory per process, fp32 Adam: stage 1 stops holding (N-1)/N of the 8Ψ state; stage 2 also of
-    # the 4Ψ reduced gradient.
-    theory = {1: 8 * num_params * (n - 1) / n, 2: 12 * num_params * (n - 1) / n}
+    # the 4Ψ reduced gradient; stage 3 also of the 4Ψ parameters (less the units gathered in flight).
+    theory = {1: 8 * num_params * (n - 1) / n, 2: 12 * num_params * (n - 1) / n, 3: 16 * num_params * (n - 1) / n}
+    step_target = {1: 1.10, 2: 1.10, 3: 1.25}
     savings = {}
-    for s in (1, 2):
+    for s in stages[1:]:
         saved = peak[0] - peak[s]
         tf_saved = tf_peak[0] - tf_peak[s] if tf_peak[0] and tf_peak[s] else None
         pooled_saved = pooled_peak[0] - pooled_peak[s]
         savings[s] = {"measured_bytes": saved, "theoretical_bytes": theory[s], "ratio": saved / theory[s],
-                      "target_ratio_min": 0.80, "ok": saved >= 0.80 * theory[s],
+                      "target_ratio_min": 0.80 if s < 3 else None,
+                      "ok": saved >= 0.80 * theory[s] if s < 3 else None,  # stage 3: reported, the model starts whole
                       "tf_allocator_bytes": tf_saved,
                       "tf_allocator_ratio": tf_saved / theory[s] if tf_saved is not None else None,
                       "pooled_rss_bytes": pooled_saved, "pooled_rss_ratio": pooled_saved / theory[s],
-                      "step_ratio_to_stage0": step[s] / step[0], "step_ok": step[s] / step[0] <= 1.10}
+                      "step_ratio_to_stage0": step[s] / step[0], "step_ok": step[s] / step[0] <= step_target[s],
+                      "step_target": step_target[s]}
     print(f"\n{n} processes ({args.backend}, strategy {strategy}), MLP {num_params / 1e6:.1f}M params, Adam, "
           f"global batch {args.proc_batch_size}; MiB per process, saved and saved / theory vs stage 0")
     print(f"{'':7s} {'peak RSS, returning':>21s} {'TF step peak, pooled':>22s} {'peak RSS, pooled':>21s}")
@@ -144,7 +148,7 @@ def run_processes(args: argparse.Namespace) -> dict:
         text = f" {value / 2**20:{width}.1f}" if value else f" {'n/a':>{width}s}"
         return text + (f" {saved / 2**20:6.1f} {ratio:6.2f}" if saved is not None else " " * 14)
 
-    for s in STAGES:
+    for s in stages:
         v = savings.get(s, {})
         line = f"ZeRO-{s} " + cols(peak[s], v.get("measured_bytes"), v.get("ratio"))
         line += cols(tf_peak[s], v.get("tf_allocator_bytes"), v.get("tf_allocator_ratio"), 8)
@@ -153,7 +157,8 @@ def run_processes(args: argparse.Namespace) -> dict:
         line += f" {step[s]:8.1f} {step[s] / step[0]:7.3f} {save[s]:7.2f}"
         print(line)
     print("targets: saving >= 0.80 x theory ((N-1)/N of the Adam state [+ gradient at stage 2]) in peak RSS with the "
-          "returning allocator; step time (TF's default, pooled allocator) <= 1.10 x stage 0. TF step peak: most "
+          "returning allocator; step time (TF's default, pooled allocator) <= 1.10 x stage 0 (stage 3: <= 1.25; its "
+          "saving is reported without a target: the model is still created whole before it is cut). TF step peak: most "
           "bytes in use in TF's pooled CPU allocator during the timed steps; the pooled peak RSS also counts the "
           "pool's never-returned regions (2 MiB doubling to 512 MiB)")
     return {"processes": n, "backend": args.backend, "strategy": strategy, "num_params": num_params,
@@ -169,7 +174,7 @@ def run_processes(args: argparse.Namespace) -> dict:
                      "(tf.config.experimental.get_memory_info('CPU:0')['peak'] over the timed steps, stats reset "
                      "after the warm-up fit) come from the pooled runs; save = tfdist.cluster.save_model of model + "
                      "full optimizer state on every rank; theory = (N-1)/N x (8 Psi Adam state [+ 4 Psi gradient "
-                     "for stage 2]) bytes"}
+                     "for stage 2] [+ 4 Psi parameters for stage 3]) bytes"}
 
 
 def plot(record: dict, path: str) -> None:
@@ -202,7 +207,9 @@ def plot(record: dict, path: str) -> None:
     ax = axes[1]
     steps = [record["median_step_ms"][s] / record["median_step_ms"][stages[0]] for s in stages]
     ax.bar(labels, steps)
-    ax.axhline(1.10, color="red", linestyle="--", label="target 1.10")
+    ax.axhline(1.10, color="red", linestyle="--", label="target 1.10 (stages 1, 2)")
+    if 3 in stages:
+        ax.axhline(1.25, color="purple", linestyle=":", label="target 1.25 (stage 3)")
     ax.set_ylabel("median step time / stage 0")
     ax.legend(fontsize=7)
     save_figure(fig, path)

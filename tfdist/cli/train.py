@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-epoch", type=int, default=None,
                    help="steps per epoch (--strategy ps, where every worker reads its own endless pipeline; "
                         "default: one pass over the training set)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
-                   help="ZeRO: 1 shards optimizer state, 2 also gradients, across replicas "
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO: 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP), across replicas "
                         f"(strategies: {', '.join(ZERO_STRATEGIES)}; default 0)")
     p.add_argument("--plot", help="write training curves to this PNG")
     p.add_argument("--json", help="write a JSON record of the run to this file")
