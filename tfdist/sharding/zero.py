@@ -113,6 +113,9 @@ class ZeroEngine:
             raise ConfigError(f"ZeRO: all trainable variables must share one dtype to be sharded flat; found "
                               f"{sorted(d.name for d in dtypes)}.")
 
+    def _make_state(self, slots: dict[str, list], owner: str) -> SlotShards:
+        return SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device, owner=owner)
+
     def _build_shards(self) -> None:
         """Builds the shard optimizer outside any strategy: its variables are then plain ones on the
         device we pick, instead of being mirrored on every replica."""
@@ -151,8 +154,7 @@ class ZeroEngine:
         for (ref_id, name), var in box["created"].items():
             i = next(k for k, s in enumerate(self.shard_params) if id(s) == ref_id)
             slots.setdefault(name, [None] * len(self.shard_params))[i] = var
-        self.state = SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device,
-                                owner=f"ZeRO stage {self.stage} ({type(self.optimizer).__name__})")
+        self.state = self._make_state(slots, owner=f"ZeRO stage {self.stage} ({type(self.optimizer).__name__})")
         own = {id(v) for vs in slots.values() for v in vs} | {id(keras_optimizer.iteration_counter(self.inner))}
         lr = keras_optimizer.learning_rate_variable(self.inner)
         for v in self.inner.variables:

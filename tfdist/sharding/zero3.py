@@ -41,10 +41,12 @@ class Zero3Engine(ZeroEngine):
         self.params: list[FsdpParam] = []  # filled by enable_stage3 once the variables are converted
         self.units: list[FsdpUnit] = []
         super().__init__(optimizer, variables, config)
-        # Before the optimizer makes its slots (they keep the state they are given): saving then reads the
-        # parameters collectively too.
-        self.state = Zero3State(self.state, lambda: self.params)
         self.reduce_scatters = True
+
+    def _make_state(self, slots: dict[str, list], owner: str) -> Zero3State:
+        # Saving then reads the parameters collectively too.
+        return Zero3State(slots, self.layout, self.comm, self.state_devices, self.config.host_device, owner=owner,
+                          params=lambda: self.params)
 
     def _make_layout(self, shapes: list) -> ParamShardLayout:
         return ParamShardLayout(shapes, self.comm.num_shards)

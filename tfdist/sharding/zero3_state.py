@@ -27,9 +27,9 @@ class Zero3State(SlotShards):
         ...     weights = model.get_weights()          # full values, no further collective
     """
 
-    def __init__(self, state: SlotShards, params: Callable[[], list]):
-        self.__dict__.update(state.__dict__)  # the same shard variables and layout, one more duty
-        self._params = params
+    def __init__(self, *args, params: Callable[[], list], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._params = params  # the engine's FsdpParams (filled once the variables are converted)
         self._gathered_params: dict[int, tf.Tensor] | None = None
 
     @contextlib.contextmanager
