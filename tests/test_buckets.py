@@ -72,9 +72,9 @@ def _profiled_steps(strategy):
         model = tfdist.models.cnn()
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
     x, y = _data(512, (28, 28, 1))
-    fit = lambda: model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+    fit = lambda callbacks=(): model.fit(x, y, batch_size=128, epochs=1, verbose=0, callbacks=list(callbacks))
     device_of = executed_partition_devices(fit)  # TF's placement of every executed node
-    return overlap_by_step(profile(fit), device_of, model.optimizer.name)  # the gradients' collectives
+    return overlap_by_step(profile(fit), device_of, model.optimizer.name)  # steps 1-3: the gradients' collectives
 
 
 def test_profiler_trace_shows_bucket_all_reduces_running_during_the_backward():
@@ -125,12 +125,11 @@ def test_two_processes_bucketed_and_fp16_equal_the_plain_path_and_buckets_overla
     assert result["uneven"]["weights"] == other["uneven"]["weights"]
     if backend == "horovod":
         return  # TF's profiler records no event for Horovod's ops inside a tf.function (only eager ones)
-    # From each rank's profiler trace: with one pack no gradient collective ever runs during its device's backward;
-    # with buckets one does, in some step on some rank.
-    found = [(r["plain_overlaps"], r["bucketed_overlaps"]) for r in (result, other)]
-    assert all(p and b for p, b in found), found  # steps were found in every rank's traces
-    assert not any(any(step) for r in (result, other) for step in r["plain_overlaps"])
-    assert any(any(step) for r in (result, other) for step in r["bucketed_overlaps"])
+    # From rank 0's profiler trace (steps 1-3): with one pack no gradient collective ever runs during its device's
+    # backward; with buckets one does, in some step. Only rank 0 is profiled: see tfdist.bench.ddp_trace.profile.
+    assert len(result["plain_overlaps"]) == len(result["bucketed_overlaps"]) == 3, result["plain_overlaps"]
+    assert not any(any(step) for step in result["plain_overlaps"])
+    assert any(any(step) for step in result["bucketed_overlaps"])
 
 
 # -- strategy.no_sync(): k micro-steps accumulate locally, then one all-reduce of the sum --------------------------

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", default="bench_ddp.png", help="one step's timeline per mode, one row per device")
 
 
-def _model_and_data(strategy, batch_size: int):
+def _model_and_data(strategy, batch_size: int, batches: int = 5):
     import keras
     import numpy as np
 
@@ -39,8 +39,8 @@ def _model_and_data(strategy, batch_size: int):
         model = tfdist.models.cnn()
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
     arrays = tfdist.data.load_arrays("mnist")
-    x = arrays.x_train[: batch_size * 5].astype("float32")
-    y = arrays.y_train[: batch_size * 5]
+    x = arrays.x_train[: batch_size * batches].astype("float32")
+    y = arrays.y_train[: batch_size * batches]
     return model, x, y, np
 
 
@@ -87,16 +87,16 @@ def run(args: argparse.Namespace) -> int:
     fits = {}
     for mode, cap in modes.items():
         strategy = tfdist.MirroredStrategy(devices, bucket_cap_mb=cap)
-        model, x, y, _ = _model_and_data(strategy, args.batch_size)
-        fit = (lambda m=model, x=x, y=y: m.fit(x[: args.batch_size * args.steps], y[: args.batch_size * args.steps],
-                                                 batch_size=args.batch_size, epochs=1, verbose=0))
+        n = args.batch_size * (1 + args.steps)  # the first step (a new iterator) is not profiled
+        model, x, y, _ = _model_and_data(strategy, args.batch_size, 1 + args.steps)
+        fit = (lambda callbacks=(), m=model, x=x[:n], y=y[:n]: m.fit(x, y, batch_size=args.batch_size, epochs=1,
+                                                                    verbose=0, callbacks=list(callbacks)))
         fits[mode] = (fit, executed_partition_devices(fit), strategy, model.optimizer.name)
     per_round: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(max(1, args.rounds)):
         for mode in (list(modes) if r % 2 == 0 else list(reversed(modes))):
             fit, device_of, _, scope = fits[mode]
-            steps = [_step_figures(s) for s in overlap_by_step(profile(fit), device_of, scope)]
-            steps = steps[1:] if len(steps) > 1 else steps  # the first step of a fit waits for a new iterator
+            steps = [_step_figures(s) for s in overlap_by_step(profile(fit, steps=args.steps), device_of, scope)]
             median = sorted(steps, key=lambda s: s["hidden_fraction"])[(len(steps) - 1) // 2]
             per_round[mode].append(median)
     results = {}

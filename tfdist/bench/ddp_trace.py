@@ -13,6 +13,9 @@ import glob
 import tempfile
 from collections.abc import Callable
 
+import keras
+import tensorflow as tf
+
 __all__ = ["DeviceOverlap", "collective_kind", "overlap_by_step", "profile", "read_space"]
 
 _COLLECTIVE_TYPES = ("CollectiveReduceV2", "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather")
@@ -60,17 +63,62 @@ def collective_kind(op_type: str) -> bool:
     return op_type in _COLLECTIVE_TYPES
 
 
-def profile(run: Callable[[], object]) -> object:
-    """Runs `run()` under TF's profiler and returns the trace (an XSpace)."""
-    import tensorflow as tf
+def profile(fit: Callable[[list], object], *, first_step: int = 1, steps: int | None = None) -> object:
+    """Runs `fit(callbacks)` (a Keras `fit` that passes `callbacks` on) with TF's profiler recording training steps
+    `first_step` .. `first_step + steps - 1` of its first epoch, and returns the trace (an XSpace).
 
-    logdir = tempfile.mkdtemp(prefix="tfdist-ddp-trace-")
-    tf.profiler.experimental.start(logdir)
+    `steps` defaults to the rest of the epoch (Keras' own step count; give it when the data's length is unknown).
+    The window leaves out the first step (it waits for a new iterator) and the metric reads after the last.
+
+    Across processes (TF collectives), profile task 0 only: on the other tasks TF resolves every collective's
+    parameters by an RPC to task 0, an event that starts on one thread and ends on another, and TF 2.21's profiler
+    then crashes the process when it stops in about half of the runs (docs/design.md, "Reading overlap")."""
+    window = _StepWindow(first_step, steps)
     try:
-        run()
+        fit([window])
     finally:
-        tf.profiler.experimental.stop()
-    return read_space(max(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)))
+        window.stop()
+    if window.logdir is None:
+        raise ValueError(f"profile: the fit ran fewer than first_step={first_step} + 1 training steps; nothing was "
+                         "profiled. Give it more data or a smaller first_step.")
+    return read_space(max(glob.glob(f"{window.logdir}/**/*.xplane.pb", recursive=True)))
+
+
+class _StepWindow(keras.callbacks.Callback):
+    """Starts TF's profiler before training step `first_step` and stops it after the window's last step."""
+
+    def __init__(self, first_step: int, steps: int | None):
+        super().__init__()
+        if first_step < 0 or (steps is not None and steps < 1):
+            raise ValueError(f"profile: first_step must be >= 0 and steps >= 1; got first_step={first_step}, "
+                             f"steps={steps}.")
+        self.first_step, self.steps = first_step, steps
+        self.logdir: str | None = None
+        self.last_step = -1
+        self._running = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.logdir is not None or batch != self.first_step:
+            return
+        steps = self.steps
+        if steps is None:
+            epoch_steps = (self.params or {}).get("steps")
+            if epoch_steps is None:
+                raise ValueError("profile: Keras does not know how many steps this epoch has; pass steps=.")
+            steps = epoch_steps - self.first_step
+        self.last_step = self.first_step + steps - 1
+        self.logdir = tempfile.mkdtemp(prefix="tfdist-ddp-trace-")
+        tf.profiler.experimental.start(self.logdir)
+        self._running = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= self.last_step:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._running:
+            self._running = False
+            tf.profiler.experimental.stop()
 
 
 def read_space(path: str):

@@ -112,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             variants[name]["seconds"].append(clock.ends[-1] - clock.ends[0])
     for name in args.variants:
         v = variants[name]
-        run = (lambda m=v["model"]: m.fit(data, epochs=1, steps_per_epoch=1 + args.profile_steps, verbose=0))
+        run = (lambda callbacks=(), m=v["model"]: m.fit(data, epochs=1, steps_per_epoch=1 + args.profile_steps, verbose=0,
+                                                     callbacks=list(callbacks)))
         if args.profile_steps < 1:
             v["trace"] = None
         elif rank == 0:
-            steps = overlap_by_step(profile(run), v["device_of"], v["model"].optimizer.name)
-            steps = steps[1:] if len(steps) > 1 else steps  # the first step of a fit waits for the iterator
+            # steps 1.. of the fit: the first waits for the iterator
+            steps = overlap_by_step(profile(run, steps=args.profile_steps), v["device_of"], v["model"].optimizer.name)
             comm = [sum(d.comm_ms for d in s.values()) for s in steps]
             hidden = [sum(d.hidden_ms for d in s.values()) for s in steps]
             v["trace"] = {"steps": len(steps), "comm_ms": statistics.median(comm) if comm else None,
