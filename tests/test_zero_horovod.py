@@ -184,7 +184,7 @@ def test_bad_input_gives_config_errors(python):
         from tfdist.errors import ConfigError
         for kwargs, words in (({"zero_stage": 4}, "supported stages are {0, 1, 2}"),
                               ({"zero_stage": "1"}, "not supported"),
-                              ({"offload": True}, "needs zero_stage=1 or 2")):
+                              ({"offload": True}, "needs zero_stage=1, 2 or 3")):
             try:
                 tfdist.HorovodStrategy(**kwargs)
                 raise SystemExit(f"no error for {kwargs}")

@@ -61,7 +61,7 @@ def _launch(script, n: int, devices: int, *args: str) -> str:
     ({"zero_stage": 4}, "supported stages are {0, 1, 2}"),
     ({"zero_stage": "1"}, "supported stages are {0, 1, 2}"),
     ({"zero_stage": 1, "offload": "yes"}, "offload must be True or False"),
-    ({"offload": True}, "needs zero_stage=1 or 2"),
+    ({"offload": True}, "needs zero_stage=1, 2 or 3"),
 ])
 def test_bad_zero_arguments_are_config_errors(kwargs, message):
     import tfdist  # checked before anything touches TensorFlow's runtime or the cluster

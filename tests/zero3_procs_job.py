@@ -19,7 +19,7 @@ import tfdist
 
 # First thing: MWMS configures collectives at program start, both set up the local logical CPUs.
 make = (lambda stage: tfdist.MultiWorkerMirroredStrategy(timeout_s=60, zero_stage=stage)) if backend == "mw" \
-    else (lambda stage: tfdist.HorovodStrategy(zero_stage=stage))
+    else (lambda stage: tfdist.HorovodStrategy(zero_stage=stage, offload=stage == 3))  # stage 3 offloaded here
 first_strategy = make(stages[0])
 import keras
 import tensorflow as tf
@@ -75,6 +75,9 @@ def run(strategy, stage: int, kind: str, rank: int) -> dict:
         rec["params"] = [{"path": p.name, "size": p.size, "pieces": [list(c.shape) for c in p.components],
                           "devices": [c.device for c in p.components]} for p in engine.params]
         rec["slot_shapes"] = [list(v.shape) for vs in engine.state.slots.values() for v in vs]
+        canon = lambda d: tf.DeviceSpec.from_string(d).to_string()  # noqa: E731
+        rec["slot_devices"] = [canon(v.value.device) for vs in engine.state.slots.values() for v in vs]
+        rec["host_device"] = canon(engine.config.host_device)
         rec["non_trainable"] = [v.path for v in a.non_trainable_variables]
         rec["memory"] = strategy.memory_report(a).to_dict()  # this process's replicas, read from the variables
         if backend == "hvd" and rank == 0:  # a rank-0-only save must fail clearly instead of hanging

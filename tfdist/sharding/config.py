@@ -123,9 +123,7 @@ def check_options(zero_stage, offload, stages: tuple[int, ...] = SUPPORTED_STAGE
     if not isinstance(offload, bool):
         raise ConfigError(f"offload must be True or False, got {offload!r}.")
     if offload and stage == 0:
-        raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1 or 2.")
-    if offload and stage == 3:
-        raise ConfigError("offload=True is not supported with zero_stage=3 yet; it needs zero_stage=1 or 2.")
+        raise ConfigError("offload=True moves the optimizer shards to host memory; it needs zero_stage=1, 2 or 3.")
     return stage, offload
 
 

@@ -130,9 +130,6 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     checks, builds the engine (optimizer state), replaces every variable's replicated value with an
     `FsdpParam` (pieces on the replicas' devices, the replicated copies are dropped) and wraps each
     layer that owns some of them as an `FsdpUnit`."""
-    if config.offload:
-        raise ConfigError("offload=True is not supported with zero_stage=3 yet; use zero_stage=1 or 2 with "
-                          "offload, or zero_stage=3 without it.")
     variables = list(variables)
     _check_variables(variables)
     units = _find_units(model, variables, config.unit_bytes)

@@ -71,7 +71,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             with zero_stage > 0 every rank must take part (tfdist.training.ModelCheckpoint,
             BackupAndRestore and `tfdist.training.save_model` do that; a bare `model.save` on rank 0
             alone is refused with a ConfigError instead of hanging).
-        offload: keep the owned optimizer shards in host memory (needs zero_stage 1 or 2).
+        offload: keep the owned optimizer shards in host memory (needs zero_stage 1, 2 or 3).
         uneven_data: what happens when the ranks' datasets end at different steps: 'stop' (default: every
             rank ends the epoch where the shortest rank's data ends) or 'join' (ranks without data take
             steps with empty batches until every rank's data ends; the gradient is the mean over the real
