@@ -2,14 +2,13 @@
 through Keras `fit`. Used by tests/test_custom_loop_checkpoint.py.
 
 Usage: python ctl_job.py KIND OUT_DIR   (in-process kinds: stock, tfdist, zero1, zero2, placement; under
-`tfdist launch -n 2 [--backend horovod]`: multiworker, multiworker-zero2, horovod, horovod-zero2)
+`tfdist launch -n 2 [--backend horovod]`: multiworker, multiworker-zero2, horovod, horovod-zero2, horovod-zero3)
 
 Three epochs of the same 4 global batches of 32, each epoch on a fresh model restored from the previous one's
 `tf.train.Checkpoint` (the tutorial's loop, then `compile` + `fit`, then the loop again), so the result equals
 three uninterrupted epochs only if model and optimizer state survive CTL -> fit -> CTL. The stock kind also
 runs the three epochs uninterrupted. The chief prints one RESULT line of JSON.
 """
-import contextlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ stage = int(zero or 0)
 if base == "multiworker":  # the strategy first: collectives are configured before TensorFlow starts
     strategy = tfdist.MultiWorkerMirroredStrategy(timeout_s=60, zero_stage=stage)
 elif base == "horovod":
-    strategy = tfdist.HorovodStrategy(zero_stage=stage)
+    strategy = tfdist.HorovodStrategy(zero_stage=stage, save_timeout_s=30)
 else:
     tfdist.devices.virtual_cpus(2)
 import keras
@@ -80,11 +79,9 @@ def ctl_epoch(model, optimizer) -> list[float]:
 def save(model, optimizer, name: str) -> str:
     """The multi-worker tutorial's saving: every worker writes, the chief where it is kept."""
     where = out if chief else tempfile.mkdtemp(prefix="ctl-ckpt-")
-    # Horovod has no collective timeout, so a sharded-state read gathers only where every rank says
-    # it takes part (a chief-only save would otherwise wait forever); see docs/zero.md.
-    gathered = tfdist.sharding.gathered_state(optimizer) if base == "horovod" and stage else contextlib.nullcontext()
-    with gathered:
-        tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(where, name))
+    # Unchanged under multi-process ZeRO too: every rank's save reads the shards of all (Horovod: each read is
+    # agreed on by every rank first, tfdist.comm.read_agreement).
+    tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(where, name))
     if not chief:
         shutil.rmtree(where)
     return os.path.join(out, name)

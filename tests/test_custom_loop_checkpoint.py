@@ -69,7 +69,7 @@ def test_custom_loop_in_one_process(kind, stock, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["multiworker", "multiworker-zero2", "horovod", "horovod-zero2"])
+@pytest.mark.parametrize("kind", ["multiworker", "multiworker-zero2", "horovod", "horovod-zero2", "horovod-zero3"])
 def test_custom_loop_on_two_processes(kind, stock, tmp_path):
     if kind.startswith("horovod"):
         pytest.importorskip("horovod.tensorflow", reason="Horovod is built by `make test` (make horovod)")

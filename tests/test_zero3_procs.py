@@ -171,6 +171,7 @@ def test_a_rank0_only_save_fails_clearly_under_horovod(job):
         pytest.skip("TF's collectives gather on read and time out clearly instead (test_zero_multiworker)")
     message = records[3, 0]["tied"]["rank0_only_save"]
     assert "every rank must take part" in message and "save_model" in message, message
+    assert "rank(s) [1] did not make this read within 5 s" in message, message
 
 
 @pytest.mark.parametrize("kwargs, message", [

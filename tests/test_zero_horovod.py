@@ -122,6 +122,8 @@ def test_rank0_only_save_is_refused_clearly(run):
     for stage in ("1", "2"):
         message = records[0]["stages"][stage]["rank0_only_save"]
         assert "every rank must take part" in message and "tfdist.cluster.save_model" in message
+        # agreed through the rendezvous store: rank 1 never made the read, named after save_timeout_s
+        assert "rank(s) [1] did not make this read within 5 s" in message, message
 
 
 def test_full_checkpoint_into_zero_continues_like_stage0(run):
@@ -184,7 +186,8 @@ def test_bad_input_gives_config_errors(python):
         from tfdist.errors import ConfigError
         for kwargs, words in (({"zero_stage": 4}, "supported stages are {0, 1, 2}"),
                               ({"zero_stage": "1"}, "not supported"),
-                              ({"offload": True}, "needs zero_stage=1, 2 or 3")):
+                              ({"offload": True}, "needs zero_stage=1, 2 or 3"),
+                              ({"save_timeout_s": 0}, "save_timeout_s must be a number of seconds > 0")):
             try:
                 tfdist.HorovodStrategy(**kwargs)
                 raise SystemExit(f"no error for {kwargs}")

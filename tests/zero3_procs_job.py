@@ -19,7 +19,7 @@ import tfdist
 
 # First thing: MWMS configures collectives at program start, both set up the local logical CPUs.
 make = (lambda stage: tfdist.MultiWorkerMirroredStrategy(timeout_s=60, zero_stage=stage)) if backend == "mw" \
-    else (lambda stage: tfdist.HorovodStrategy(zero_stage=stage, offload=stage == 3))  # stage 3 offloaded here
+    else (lambda stage: tfdist.HorovodStrategy(zero_stage=stage, offload=stage == 3, save_timeout_s=5))  # stage 3 offloaded here
 first_strategy = make(stages[0])
 import keras
 import tensorflow as tf

@@ -44,7 +44,7 @@ def main() -> int:
             return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
     for stage in (0, 1, 2):
-        strategy = tfdist.HorovodStrategy(zero_stage=stage)  # first: it may set up local logical CPUs
+        strategy = tfdist.HorovodStrategy(zero_stage=stage, save_timeout_s=5)  # first: it may set up local logical CPUs
         rank = strategy.rank
         ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
         with strategy.scope():
@@ -82,7 +82,7 @@ def main() -> int:
 
     saved = os.path.join(out, "stage0.keras")
     for stage in (0, 1, 2):
-        strategy = tfdist.HorovodStrategy(zero_stage=stage)
+        strategy = tfdist.HorovodStrategy(zero_stage=stage, save_timeout_s=5)
         with strategy.scope():
             model = keras.models.load_model(saved)
         ref = np.load(os.path.join(out, f"s0_state_rank{rank}.npz"))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.comm.horovod import horovod
+from tfdist.comm.read_agreement import ReadAgreement
 from tfdist.comm.shard_collectives import ShardCollectives
 
 __all__ = ["HorovodShardCollectives"]
@@ -35,15 +36,22 @@ class HorovodShardCollectives(ShardCollectives):
         ([0], 2)   # on rank 0; [1] on rank 1
     """
 
-    gather_on_read = False  # a rank-0-only model.save would wait forever in hvd.allgather
-
-    def __init__(self, devices: Sequence[str], rank: int, size: int):
+    def __init__(self, devices: Sequence[str], rank: int, size: int, read_timeout_s: float = 60.0):
         self._hvd = horovod()
+        # A rank-0-only model.save would wait in hvd.allgather until Horovod's stall shutdown: reads that gather
+        # on their own are agreed on first (through the Gloo rendezvous store), or refused where there is none.
+        self._agreement = ReadAgreement.from_environment(rank, size, read_timeout_s)
+        self.gather_on_read = self._agreement is not None
         self.devices = list(devices)
         m = len(self.devices)
         self.rank, self.size = int(rank), int(size)
         self.shard_ids = [self.rank * m + i for i in range(m)]
         self.num_shards = self.size * m
+
+    def agree_to_read(self, what: str) -> None:
+        # Inside a tf.function the check would run once, at tracing; reads there are the caller's to order.
+        if self._agreement is not None and tf.executing_eagerly():
+            self._agreement.agree(what)
 
     def _local_sum(self, values: Sequence[tf.Tensor]) -> tf.Tensor:
         values = list(values)

@@ -40,6 +40,10 @@ class ShardCollectives(abc.ABC):
     #: bytes per call when a reduce-scatter is sent in pieces (all shards' parts together)
     CHUNK_BYTES: int = 16 * 2**20
 
+    def agree_to_read(self, what: str) -> None:
+        """Called before a read of sharded state that gathers on its own (outside `gathered()`): returns when
+        every process makes the same read, or raises a ConfigError. TF's collectives time out by themselves."""
+
     @abc.abstractmethod
     def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
         """Sums contributions per shard: `chunks[i][r]` is local replica i's part for global shard r

@@ -78,6 +78,8 @@ class SlotShards:
                 "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
                 "`with tfdist.sharding.gathered_state(model):`.")
         else:  # each shard's piece of this variable, padded to one window: ~Psi_var traffic, not Psi
+            if not self._collective_reads:
+                self.comm.agree_to_read(f"{self.owner}: slot {slot!r} of variable {var}")
             owners = layout.owners(var)
             window = max(p.size for _, p in owners)
             mine = []

@@ -66,6 +66,8 @@ class Zero3State(SlotShards):
                 "Use tfdist.training.save_model(model, path) on every rank (rank 0 writes), "
                 "tfdist.training.ModelCheckpoint / BackupAndRestore, or read on every rank inside "
                 "`with tfdist.sharding.gathered_state(model):`.")
+        if not self._collective_reads:
+            self.comm.agree_to_read(f"weight {param.name!r}")
         return self._all_gather(param)
 
     def _all_gather(self, param) -> tf.Tensor:

@@ -69,8 +69,9 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             `tfdist.MirroredStrategy`. The shards move with `hvd.alltoall` (+ a local sum) / `hvd.allgather`
             (tfdist.comm.horovod_shards). Saving a model or checkpoint gathers the full optimizer state:
             with zero_stage > 0 every rank must take part (tfdist.training.ModelCheckpoint,
-            BackupAndRestore and `tfdist.training.save_model` do that; a bare `model.save` on rank 0
-            alone is refused with a ConfigError instead of hanging).
+            BackupAndRestore and `tfdist.training.save_model` do that, and so does the same save run on
+            every rank, e.g. TF's custom-loop tutorial's `checkpoint.save()`); a `model.save` on rank 0
+            alone gets a ConfigError after `save_timeout_s` instead of hanging.
         offload: keep the owned optimizer shards in host memory (needs zero_stage 1, 2 or 3).
         uneven_data: what happens when the ranks' datasets end at different steps: 'stop' (default: every
             rank ends the epoch where the shortest rank's data ends) or 'join' (ranks without data take
@@ -86,6 +87,10 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             zero_stage 0 only.
         fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
+        save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a
+            save, `get_weights` at stage 3) waits for every rank to make the same read, agreed through the
+            Gloo rendezvous store (tfdist.comm.read_agreement; under mpirun, with no such store, these reads
+            are refused up front: save inside `tfdist.sharding.gathered_state(model)` on every rank).
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -125,8 +130,12 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         fsdp_unit_bytes: int | None = None,
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
+        save_timeout_s: float = 60.0,
     ):
         check_options(compression, op)
+        if isinstance(save_timeout_s, bool) or not isinstance(save_timeout_s, (int, float)) or not save_timeout_s > 0:
+            raise ConfigError(f"save_timeout_s must be a number of seconds > 0, got {save_timeout_s!r}.")
+        self.save_timeout_s = float(save_timeout_s)
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
@@ -178,7 +187,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
     def _shard_collectives(self):
         from tfdist.comm.horovod_shards import HorovodShardCollectives
 
-        return HorovodShardCollectives(self.extended.worker_devices, self.rank, self.size)
+        return HorovodShardCollectives(self.extended.worker_devices, self.rank, self.size, self.save_timeout_s)
 
     @property
     def is_chief(self) -> bool:
