@@ -59,7 +59,7 @@ def test_capacity_bisection_finds_the_widest_width_and_retries_non_memory_failur
 
     tried, flaky = [], {2048}
 
-    def fake_trial(stage, width, depth, steps, processes, cap, tag="trial"):
+    def fake_trial(stage, width, depth, steps, processes, cap, tag="trial", local_devices=1):
         tried.append(width)
         if width in flaky:
             flaky.discard(width)
@@ -76,3 +76,25 @@ def test_capacity_bisection_finds_the_widest_width_and_retries_non_memory_failur
     assert zero_capacity.largest_width(3, argparse.Namespace(**{**vars(args), "min_width": 2560}), 2**30)[0] is None
     assert zero_capacity.largest_width(3, argparse.Namespace(**{**vars(args), "max_width": 2048}), 2**30)[0] == 2048
     assert zero_capacity.mlp_params(3072, 6) == 56_644_609  # the test above's Psi
+
+
+@pytest.mark.slow
+def test_phases_run_reports_every_process_phase_by_phase_with_the_stage3_pieces_held_after_the_cut():
+    """`tfdist bench zero-capacity --phases`: each worker's memory at each phase, its cgroup peak the largest."""
+    why = unavailable(free_gib=3)
+    if why:
+        pytest.skip(why)
+    width, depth = 1024, 2  # pieces of 2 MiB: above the size from which TF's CPU allocator counts tensors
+    t = trial(3, width, depth, 3, 2, None, tag="test-phases", phases=True)
+    assert t["ok"], t["log_tail"]
+    psi = t["params"]
+    for rows, peak in zip(t["phases"], t["peaks"]):
+        assert [r["phase"] for r in rows] == ["start", "imports + strategy", "model created", "optimizer built (cut)",
+                                              "step 1 (trace + run)", "step 2", "step 3", "after fit"]
+        assert peak == max(r["cgroup_peak"] for r in rows) > 0
+        cut, last = rows[3], rows[-1]
+        # Between steps the process holds its pieces (4 Psi / 2) and its Adam shards (8 Psi / 2), read by TF's
+        # allocator; the replicated model (4 Psi) was dropped at the cut.
+        assert 6 * psi * 0.95 <= last["tf_current"] < 10 * psi
+        assert cut["tf_current"] >= 6 * psi * 0.95
+        assert max(r["tf_peak"] for r in rows[4:7]) > last["tf_current"]  # a step needs gathered units
