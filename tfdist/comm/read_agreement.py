@@ -67,7 +67,10 @@ class ReadAgreement:
         self._put(scope, f"rank{self.rank}", what)
         verdict = self._decide(scope, what) if self.rank == 0 else self._await_verdict(scope)
         if self._reads > 2:  # every rank has passed the read before the previous one: its keys are not needed
-            self._delete(f"tfdist-read-{self._instance}-{self._reads - 2}", f"rank{self.rank}")
+            old = f"tfdist-read-{self._instance}-{self._reads - 2}"
+            self._delete(old, f"rank{self.rank}")
+            if self.rank == 0:
+                self._delete(old, "verdict")
         if verdict != "go":
             self._broken = verdict
             raise ConfigError(verdict)
