@@ -71,6 +71,13 @@ def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_pat
     assert theory == 8 * record["num_params"] / 2
     assert record["savings"]["1"]["ratio"] == pytest.approx(record["savings"]["1"]["measured_bytes"] / theory)
     assert png.stat().st_size > 0 and "peak RSS, returning" in proc.stdout
+    # stage 3 once more with fsdp_prefetch=True (its step time, reported next to stage 3's)
+    prefetched = record["per_rank"]["pooled"]["3_prefetch"]
+    assert sorted(r["rank"] for r in prefetched) == [0, 1] and all(r["prefetch"] and r["stage"] == 3 for r in prefetched)
+    assert record["median_step_ms_stage3_prefetch"] == max(r["median_step_ms"] for r in prefetched) > 0
+    assert record["savings"]["3"]["prefetch_step_ratio_to_stage0"] == pytest.approx(
+        record["median_step_ms_stage3_prefetch"] / record["median_step_ms"]["0"])
+    assert "ZeRO-3 with fsdp_prefetch=True" in proc.stdout
 
 
 def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch):

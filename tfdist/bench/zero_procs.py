@@ -34,6 +34,7 @@ def _child(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--allocator", default="pooled", choices=sorted(ALLOCATORS))
+    p.add_argument("--prefetch", action="store_true", help="stage 3 with fsdp_prefetch=True")
     a = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -45,6 +46,8 @@ def _child(argv: list[str]) -> int:
     from tfdist.bench.models import mlp, mlp_data
 
     options = {"zero_stage": a.stage} if a.stage else {}
+    if a.prefetch:
+        options["fsdp_prefetch"] = True
     strategy = tfdist.strategies.make_strategy(a.strategy, **options)
     rank = tfdist.cluster.rank(strategy)
     x, y = mlp_data(a.batch_size)
@@ -79,7 +82,9 @@ def _child(argv: list[str]) -> int:
               "steps_timed": len(timer.step_seconds), "replicas": strategy.num_replicas_in_sync,
               "num_params": int(sum(int(v.shape.num_elements()) for v in model.trainable_variables)),
               "report": report.to_dict() if report is not None else None}
-    with open(os.path.join(a.out, f"stage{a.stage}_{a.allocator}_rank{rank}.json"), "w") as f:
+    tag = f"stage{a.stage}{'_prefetch' if a.prefetch else ''}_{a.allocator}"
+    record["prefetch"] = a.prefetch
+    with open(os.path.join(a.out, f"{tag}_rank{rank}.json"), "w") as f:
         json.dump(record, f)
     tf_line = (f"TF allocator: built {tf_built['current'] / 2**20:.1f}, warm-up peak {tf_warmup['peak'] / 2**20:.1f}, "
                f"step peak {tf_after['peak'] / 2**20:.1f} MiB; " if tf_after else "")
@@ -113,6 +118,15 @@ def run_processes(args: argparse.Namespace) -> dict:
                                        f"({args.backend}) exited with {code}")
                 rows[allocator][stage] = [json.load(open(os.path.join(out, f"stage{stage}_{allocator}_rank{r}.json")))
                                           for r in range(n)]
+        if 3 in stages:  # stage 3 once more with prefetch: its step time (TF's default allocator)
+            cmd = module_command("tfdist.bench.zero_procs", strategy=strategy, stage=3, width=args.width,
+                                 steps=args.proc_steps, batch_size=args.proc_batch_size, out=out, allocator="pooled",
+                                 prefetch=True)
+            code = run_workers(cmd, n, launcher=args.backend, env=ALLOCATORS["pooled"])
+            if code != 0:
+                raise RuntimeError(f"stage 3 with prefetch: the {n}-process run ({args.backend}) exited with {code}")
+            rows["pooled"]["3_prefetch"] = [json.load(open(os.path.join(out, f"stage3_prefetch_pooled_rank{r}.json")))
+                                            for r in range(n)]
     pooled, returning = rows["pooled"], rows["returning"]
     num_params = pooled[0][0]["num_params"]
     peak = {s: max(r["peak_rss_bytes"] for r in returning[s]) for s in stages}
@@ -120,6 +134,7 @@ def run_processes(args: argparse.Namespace) -> dict:
     tf_peak = {s: max(r["tf_step_peak_bytes"] for r in pooled[s]) if all(r["tf_step_peak_bytes"] for r in pooled[s])
                else None for s in stages}
     step = {s: max(r["median_step_ms"] for r in pooled[s]) for s in stages}
+    prefetch_ms = max(r["median_step_ms"] for r in pooled["3_prefetch"]) if "3_prefetch" in pooled else None
     save = {s: max(r["save_seconds"] for r in pooled[s]) for s in stages}
     # Theory per process, fp32 Adam: stage 1 stops holding (N-1)/N of the 8Ψ state; stage 2 also of
     # the 4Ψ reduced gradient; stage 3 also of the 4Ψ parameters (less the units gathered in flight).
@@ -138,6 +153,10 @@ def run_processes(args: argparse.Namespace) -> dict:
                       "pooled_rss_bytes": pooled_saved, "pooled_rss_ratio": pooled_saved / theory[s],
                       "step_ratio_to_stage0": step[s] / step[0], "step_ok": step[s] / step[0] <= step_target[s],
                       "step_target": step_target[s]}
+    if prefetch_ms is not None:
+        savings[3]["prefetch_step_ms"] = prefetch_ms
+        savings[3]["prefetch_step_ratio_to_stage0"] = prefetch_ms / step[0]
+        savings[3]["prefetch_step_ok"] = prefetch_ms / step[0] <= step_target[3]
     print(f"\n{n} processes ({args.backend}, strategy {strategy}), MLP {num_params / 1e6:.1f}M params, Adam, "
           f"global batch {args.proc_batch_size}; MiB per process, saved and saved / theory vs stage 0")
     print(f"{'':7s} {'peak RSS, returning':>21s} {'TF step peak, pooled':>22s} {'peak RSS, pooled':>21s}")
@@ -156,6 +175,8 @@ def run_processes(args: argparse.Namespace) -> dict:
         line += f" {v['theoretical_bytes'] / 2**20:7.1f}" if v else " " * 8
         line += f" {step[s]:8.1f} {step[s] / step[0]:7.3f} {save[s]:7.2f}"
         print(line)
+    if prefetch_ms is not None:
+        print(f"ZeRO-3 with fsdp_prefetch=True: step {prefetch_ms:.1f} ms, {prefetch_ms / step[0]:.3f} x stage 0")
     print("targets: saving >= 0.80 x theory ((N-1)/N of the Adam state [+ gradient at stage 2]) in peak RSS with the "
           "returning allocator; step time (TF's default, pooled allocator) <= 1.10 x stage 0 (stage 3: <= 1.25; its "
           "saving is reported without a target: the model is still created whole before it is cut). TF step peak: most "
@@ -166,7 +187,8 @@ def run_processes(args: argparse.Namespace) -> dict:
             "allocators": {a: env for a, env in ALLOCATORS.items()},
             "per_rank": rows, "peak_rss_bytes": peak, "pooled_peak_rss_bytes": pooled_peak,
             "tf_step_peak_bytes": tf_peak,
-            "median_step_ms": step, "save_seconds": save, "savings": savings,
+            "median_step_ms": step, "median_step_ms_stage3_prefetch": prefetch_ms, "save_seconds": save,
+            "savings": savings,
             "notes": "one launch per stage and allocator; peak RSS = VmHWM of each rank (max over ranks), read "
                      "before the save; 'returning' = TF_ENABLE_ONEDNN_OPTS=0 (TF's malloc-based CPU allocator) and "
                      "MALLOC_MMAP_THRESHOLD_=1 MiB (freed blocks go back to the OS); 'pooled' = TF's defaults "
