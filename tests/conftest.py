@@ -10,6 +10,10 @@ import textwrap
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# OpenMPI ranks (mpirun tests: Horovod's MPI controller, mpi4py) busy-poll while they wait for a peer; on this
+# 2-core box the spinning rank took the CPU its peer needed to trace (first tf.function call 27 s instead of
+# 8 s). Yielding when idle changes no result, only who gets the CPU; every subprocess inherits it.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 import tfdist  # noqa: E402
 

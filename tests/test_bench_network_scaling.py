@@ -74,7 +74,9 @@ def test_a_small_run_on_two_emulated_nodes_writes_its_record(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfdist", "bench", "network-scaling", "--nodes", "2", "--rates", "1gbit",
          "--dense-units", "64", "--batch-size", "16", "--steps", "1", "--rounds", "2", "--profile-steps", "2",
-         "--json", str(out), "--png", str(png)],
+         # 1 CPU per node instead of the default 0.5: the quota is applied from start-up on (each node imports
+         # TensorFlow under it), and nothing checked here depends on its size
+         "--cpus-per-node", "1", "--json", str(out), "--png", str(png)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]

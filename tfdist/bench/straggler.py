@@ -19,9 +19,10 @@ every process used during the timed epoch is read from the cgroups (cpuacct) and
 
 The processes start unthrottled (importing TensorFlow and tracing the step function at 0.2 CPU would only
 make the run longer): the quotas are switched on after the first few steps of the warm-up epoch, when the
-job prints its marker line. Runs alternate (async, sync, sync, async, ...) for --rounds rounds; figures are
-medians over rounds with min-max spread. Needs root and a cgroup v1 CPU controller (otherwise: a message and
-exit code 1); every cgroup made is removed at the end, also after errors, Ctrl-C and SIGTERM.
+job prints its marker line, and off again when the timed epoch ends. Runs alternate (async, sync, sync,
+async, ...) for --rounds rounds; figures are medians over rounds with min-max spread. Needs root and a
+cgroup v1 CPU controller (otherwise: a message and exit code 1); every cgroup made is removed at the end,
+also after errors, Ctrl-C and SIGTERM.
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def run_job(mode: str, args: argparse.Namespace, groups: CpuGroups, out_path: st
             elif text in (job.MARK_START, job.MARK_END):
                 marks[text] = {"time": time.perf_counter(), "cpu": groups.cpu_seconds(),
                                "stat": groups.throttling(), "members": {n: len(groups.members(n)) for n in names}}
+                if text == job.MARK_END:  # nothing after the timed epoch is measured: the test evaluation
+                    for name in quotas:   # and the processes' exits run at full speed
+                        groups.set_quota(name, None)
         except OSError as err:
             errors.append(f"{text!r}: {type(err).__name__}: {err}")
 
