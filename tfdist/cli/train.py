@@ -41,14 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from tfdist.data import DATASET_NAMES
     from tfdist.errors import ConfigError
-    from tfdist.strategies import strategy_names
 
-    if args.strategy not in strategy_names():
-        raise ConfigError(f"--strategy must be one of {strategy_names()}, got {args.strategy!r}.")
-    if args.dataset not in DATASET_NAMES:
-        raise ConfigError(f"--dataset must be one of {list(DATASET_NAMES)}, got {args.dataset!r}.")
+    # The checks that need no TensorFlow first (the strategy and dataset names import it: seconds).
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {args.epochs}.")
     if args.zero_stage and args.strategy not in ZERO_STRATEGIES:
@@ -63,6 +58,13 @@ def _check(args: argparse.Namespace) -> None:
     for parameter, path in (("--save", args.save), ("--json", args.json), ("--plot", args.plot)):
         check_output_path(path, parameter)
     check_output_path(args.backup_dir, "--backup-dir", directory=True)
+    from tfdist.data import DATASET_NAMES
+    from tfdist.strategies import strategy_names
+
+    if args.strategy not in strategy_names():
+        raise ConfigError(f"--strategy must be one of {strategy_names()}, got {args.strategy!r}.")
+    if args.dataset not in DATASET_NAMES:
+        raise ConfigError(f"--dataset must be one of {list(DATASET_NAMES)}, got {args.dataset!r}.")
 
 
 def run(args: argparse.Namespace) -> int:
