@@ -11,3 +11,10 @@ class ConfigError(TfdistError, ValueError):
 
 class InitOrderError(TfdistError, RuntimeError):
     """Something must happen before TensorFlow initialises its devices, and it did not."""
+
+
+def check_seconds(value, name: str) -> float:
+    """`value` as float seconds, or a ConfigError naming `name` unless it is a number > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}.")
+    return float(value)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from tfdist.comm.process_group import Group
 from tfdist.comm.startup import choose_backend, start_backend
 from tfdist.comm.state import STATE, backend_for
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, check_seconds
 
 __all__ = ["get_backend", "init", "is_initialized", "local_rank", "local_size", "new_group", "rank", "size"]
 
@@ -53,8 +53,7 @@ def init(backend: str = "auto", *, cluster: Mapping | str | object | None = None
         >>> comm.rank(), comm.size(), comm.get_backend()
         (0, 1, 'tf')
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError(f"tfdist.comm.init: timeout_s must be a number of seconds > 0, got {timeout_s!r}.")
+    check_seconds(timeout_s, "tfdist.comm.init: timeout_s")
     chosen = choose_backend(backend, cluster)
     if STATE.backend is not None and STATE.backend.name != chosen:
         raise ConfigError(f"tfdist.comm.init(backend={backend!r}): already initialised with the "

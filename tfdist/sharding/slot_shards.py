@@ -70,16 +70,8 @@ class SlotShards:
                 with tf.device(self.devices[i]):
                     parts.append(tf.identity(shards[i].value[piece.offset:piece.offset + piece.size]))
             flat = tf.concat(parts, 0)
-        elif not self.comm.gather_on_read and not self._collective_reads:
-            raise ConfigError(
-                f"{self.owner}: reading the optimizer state (e.g. model.save, save_weights, "
-                "tf.train.Checkpoint) needs the shards of every process, so every rank must take part. "
-                "Use tfdist.cluster.save_model(model, path) on every rank (rank 0 writes), "
-                "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
-                "`with tfdist.sharding.gathered_state(model):`.")
         else:  # each shard's piece of this variable, padded to one window: ~Psi_var traffic, not Psi
-            if not self._collective_reads:
-                self.comm.agree_to_read(f"{self.owner}: slot {slot!r} of variable {var}")
+            self._before_gather(f"{self.owner}: slot {slot!r} of variable {var}", "the optimizer state")
             owners = layout.owners(var)
             window = max(p.size for _, p in owners)
             mine = []
@@ -93,6 +85,21 @@ class SlotShards:
             flat = tf.concat([gathered[r * window:r * window + p.size] for r, p in owners], 0)
         with tf.device(self.host_device):
             return tf.reshape(flat, layout.shapes[var])
+
+    def _before_gather(self, what: str, reading: str) -> None:
+        """Before a read outside `gathered()` all-gathers on its own: inside `collective_reads()` every process
+        reads alike; otherwise the collectives must allow it (and every process agree to it), or it is refused
+        here rather than waiting for processes that are not reading."""
+        if self._collective_reads:
+            return
+        if not self.comm.gather_on_read:
+            raise ConfigError(
+                f"{what}: reading {reading} (e.g. model.save, save_weights, tf.train.Checkpoint, get_weights) "
+                "needs the shards of every process, so every rank must take part. "
+                "Use tfdist.cluster.save_model(model, path) on every rank (rank 0 writes), "
+                "tfdist.cluster.ModelCheckpoint / BackupAndRestore, or run the save on every rank inside "
+                "`with tfdist.sharding.gathered_state(model):`.")
+        self.comm.agree_to_read(what)
 
     def write(self, var: int, slot: str, value: tf.Tensor) -> None:
         """Scatters a full value of `slot` for variable `var` into the shards this process owns."""

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfdist.errors import ConfigError
 from tfdist.sharding.slot_shards import SlotShards
 
 __all__ = ["Zero3State"]
@@ -59,15 +58,7 @@ class Zero3State(SlotShards):
         """The flat (padded) value of FsdpParam `param` from every process's pieces, on the host."""
         if self._gathered_params is not None and id(param) in self._gathered_params:
             return self._gathered_params[id(param)]
-        if not self.comm.gather_on_read and not self._collective_reads:
-            raise ConfigError(
-                f"ZeRO stage 3: reading weight {param.name!r} (model.save, get_weights, save_weights, "
-                "tf.train.Checkpoint) needs its pieces from every process, so every rank must take part. "
-                "Use tfdist.training.save_model(model, path) on every rank (rank 0 writes), "
-                "tfdist.training.ModelCheckpoint / BackupAndRestore, or read on every rank inside "
-                "`with tfdist.sharding.gathered_state(model):`.")
-        if not self._collective_reads:
-            self.comm.agree_to_read(f"weight {param.name!r}")
+        self._before_gather(f"ZeRO stage 3: weight {param.name!r}", "a sharded weight")
         return self._all_gather(param)
 
     def _all_gather(self, param) -> tf.Tensor:

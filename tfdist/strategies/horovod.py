@@ -20,7 +20,7 @@ from tfdist.comm.horovod import (
 )
 from tfdist.comm.horovod_group import HorovodGroup
 from tfdist.devices import process_devices
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.training.uneven import check_mode
@@ -133,9 +133,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         save_timeout_s: float = 60.0,
     ):
         check_options(compression, op)
-        if isinstance(save_timeout_s, bool) or not isinstance(save_timeout_s, (int, float)) or not save_timeout_s > 0:
-            raise ConfigError(f"save_timeout_s must be a number of seconds > 0, got {save_timeout_s!r}.")
-        self.save_timeout_s = float(save_timeout_s)
+        self.save_timeout_s = check_seconds(save_timeout_s, "save_timeout_s")
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)

@@ -16,7 +16,7 @@ from tfdist.cluster.peers import cluster_config_of, startup_error, wait_for_peer
 from tfdist.cluster.tf_config import ClusterConfig
 from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.devices import kind_and_indices, process_devices
-from tfdist.errors import ConfigError, InitOrderError
+from tfdist.errors import ConfigError, InitOrderError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.training.uneven import check_mode
@@ -124,9 +124,7 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         self.reuse_input_iterators = bool(reuse_input_iterators)
         if communication not in _COMMUNICATION:
             raise ConfigError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}.")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
         heartbeat_s = min(self.timeout_s, 20.0) if heartbeat_s is None else float(heartbeat_s)
         config = self._cluster_config = cluster_config_of(cluster_resolver)
         if local_devices is None:
