@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -74,3 +75,22 @@ def test_custom_loop_on_two_processes(kind, stock, tmp_path):
     if kind.startswith("horovod"):
         pytest.importorskip("horovod.tensorflow", reason="Horovod is built by `make test` (make horovod)")
     _assert_like_stock(_launched(kind, tmp_path), stock)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["horovod-zero2", "horovod-zero3"])
+def test_custom_loop_under_mpirun(kind, stock, tmp_path):
+    """Horovod's MPI controller has no rendezvous store: every rank's checkpoint.save() is agreed on over MPI."""
+    pytest.importorskip("horovod.tensorflow", reason="Horovod is built by `make test` (make horovod)")
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("OpenMPI's mpirun is installed by `make test` (apt openmpi-bin)")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1", "PYTHONFAULTHANDLER": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(JOB))}
+    for var in ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_RANK",
+                "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([mpirun, "-np", "2", "--oversubscribe", sys.executable, JOB, kind, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_like_stock(_result(proc.stdout), stock)

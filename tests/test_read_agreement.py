@@ -1,15 +1,23 @@
-"""tfdist.comm.read_agreement: ranks agree on each read of sharded state through Horovod's rendezvous store.
+"""tfdist.comm.read_agreement: ranks agree on each read of sharded state through Horovod's rendezvous store, or
+through MPI messages under mpirun.
 
 Threads stand in for the ranks, against Horovod's own RendezvousHTTPServer (the one `tfdist launch --backend horovod`
-runs); the 2-process runs are in tests/test_zero_horovod.py, test_zero3_procs.py and test_custom_loop_checkpoint.py.
+runs); the MPI store runs as 2 real ranks under mpirun (tests/read_agreement_mpi_worker.py). The 2-process runs with
+HorovodStrategy are in tests/test_zero_horovod.py, test_zero3_procs.py and test_custom_loop_checkpoint.py.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
 
+from tfdist.comm.agreement_stores import HttpStore
 from tfdist.comm.read_agreement import ReadAgreement
 from tfdist.errors import ConfigError
 
@@ -27,7 +35,7 @@ def store():
 
 def ranks(store: str, size: int = 2, timeout_s: float = 0.3) -> list[ReadAgreement]:
     # One process per rank in a job; here threads of one process, so the instance is given (as each process counts).
-    return [ReadAgreement(r, size, store, timeout_s, instance=1) for r in range(size)]
+    return [ReadAgreement(r, size, HttpStore(store), timeout_s, instance=1) for r in range(size)]
 
 
 def in_threads(calls: dict) -> dict:
@@ -87,16 +95,43 @@ def test_ranks_reading_different_state_both_fail_naming_the_reads(store):
         assert "rank 0 'slot m of variable 0', rank 1 \"weight 'dense/bias'\"" in str(out[rank]), out[rank]
 
 
-def test_no_store_in_the_environment_means_no_agreement(monkeypatch):
+def test_the_store_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", raising=False)
-    assert ReadAgreement.from_environment(0, 2, 60) is None  # mpirun: reads are refused up front instead
+    assert ReadAgreement.from_environment(0, 2, 60) is None  # neither a rendezvous server nor MPI
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", "1")
     assert ReadAgreement.from_environment(0, 1, 60) is None  # one process: nothing to agree on
-    assert ReadAgreement.from_environment(0, 2, 60).address == "127.0.0.1:1"
+    assert ReadAgreement.from_environment(0, 2, 60).store.address == "127.0.0.1:1"
 
 
 def test_an_unreachable_store_is_a_clear_error():
-    lonely = ReadAgreement(0, 2, "127.0.0.1:9", 0.1)  # discard port: nothing listens
+    lonely = ReadAgreement(0, 2, HttpStore("127.0.0.1:9"), 0.1)  # discard port: nothing listens
     with pytest.raises(ConfigError, match="rendezvous store at 127.0.0.1:9.*cannot be reached"):
         lonely.agree("weight 'w'")
+
+
+@pytest.mark.slow
+def test_over_mpi_messages_under_mpirun(tmp_path):
+    """Two real ranks, no rendezvous server: the same outcomes as through the HTTP store."""
+    pytest.importorskip("mpi4py", reason="mpi4py comes with the horovod extra (make horovod)")
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("OpenMPI's mpirun is installed by `make test` (apt openmpi-bin)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "PYTHONPATH": os.path.dirname(here)}
+    for var in ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_COMM_WORLD_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([mpirun, "-np", "2", "--oversubscribe", sys.executable,
+                           os.path.join(here, "read_agreement_mpi_worker.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    for i in range(5):
+        assert zero[f"together{i}"] == one[f"together{i}"] == "ok"
+    assert "rank(s) [1] did not make this read within 0.5 s" in zero["rank0_alone"], zero
+    assert "every rank must take part" in zero["rank0_alone"]
+    assert "no longer in step: restart the job" in zero["rank0_after"]
+    for got in (zero, one):
+        assert "rank 0 'slot m of variable 0', rank 1 \"weight 'dense/bias'\"" in got["different"], got
+    assert "rank 0 did not make this read within 0.6 s" in one["rank1_alone"], one

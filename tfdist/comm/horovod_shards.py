@@ -39,8 +39,9 @@ class HorovodShardCollectives(ShardCollectives):
     def __init__(self, devices: Sequence[str], rank: int, size: int, read_timeout_s: float = 60.0):
         self._hvd = horovod()
         # A rank-0-only model.save would wait in hvd.allgather until Horovod's stall shutdown: reads that gather
-        # on their own are agreed on first (through the Gloo rendezvous store), or refused where there is none.
-        self._agreement = ReadAgreement.from_environment(rank, size, read_timeout_s)
+        # on their own are agreed on first (through the Gloo rendezvous store, or MPI messages under mpirun).
+        self._agreement = ReadAgreement.from_environment(rank, size, read_timeout_s,
+                                                         mpi=bool(self._hvd.mpi_enabled()))
         self.gather_on_read = self._agreement is not None
         self.devices = list(devices)
         m = len(self.devices)

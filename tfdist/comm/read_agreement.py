@@ -8,8 +8,9 @@ decides: every rank there with the same read, go; a rank missing after `timeout_
 every rank that came gets a ConfigError that names the missing ranks and the fix. Saves that every rank makes (TF's
 custom-loop tutorial: every worker calls `checkpoint.save()`) then work unchanged.
 
-Without that store (Horovod's MPI controller: `mpirun`), `from_environment` returns None and such reads are refused
-up front instead (tfdist.sharding.SlotShards).
+Under Horovod's MPI controller (`mpirun`, `horovodrun --mpi`) there is no such server: the same messages go as
+non-blocking MPI point-to-point messages (mpi4py) instead. Without either (mpi4py missing), `from_environment`
+returns None and such reads are refused up front (tfdist.sharding.SlotShards).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import urllib.error
-import urllib.request
 
+from tfdist.comm.agreement_stores import HttpStore, MpiStore
 from tfdist.errors import ConfigError
 
 __all__ = ["ReadAgreement"]
@@ -28,33 +28,44 @@ _instances = itertools.count(1)  # strategies are created in the same order on e
 
 
 class ReadAgreement:
-    """Agreement of every rank on each read of sharded state, through Horovod's rendezvous key-value store.
+    """Agreement of every rank on each read of sharded state, through a store every rank reaches.
 
     Args:
         rank, size: this process's Horovod rank and the number of processes.
-        address: "host:port" of the rendezvous HTTP server.
+        store: where the ranks leave their messages (`tfdist.comm.agreement_stores`): an `HttpStore` at the
+            rendezvous server's "host:port", or an `MpiStore`.
         timeout_s: how long rank 0 waits for every rank to make the same read (a rank that is not rank 0 waits
             twice as long for rank 0's verdict).
         instance: names this agreement's keys; by default the count of agreements made in this process, the same
             on every rank since every rank creates its strategies in the same order.
 
-    Example (2 ranks under `tfdist launch --backend horovod -n 2`):
+    Example (2 ranks under `tfdist launch --backend horovod -n 2`, or `mpirun -np 2`):
         >>> agreement = ReadAgreement.from_environment(hvd.rank(), hvd.size(), timeout_s=60)
         >>> agreement.agree("slot 'momentum' of dense/kernel")   # on both ranks: returns; on one: ConfigError
     """
 
-    def __init__(self, rank: int, size: int, address: str, timeout_s: float, instance: int | None = None):
-        self.rank, self.size, self.address, self.timeout_s = int(rank), int(size), address, float(timeout_s)
+    def __init__(self, rank: int, size: int, store: HttpStore | MpiStore, timeout_s: float,
+                 instance: int | None = None):
+        self.rank, self.size, self.store, self.timeout_s = int(rank), int(size), store, float(timeout_s)
         self._instance = next(_instances) if instance is None else int(instance)
         self._reads = 0
         self._broken: str | None = None
 
     @classmethod
-    def from_environment(cls, rank: int, size: int, timeout_s: float) -> ReadAgreement | None:
-        host, port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        if not host or not port or size < 2:
+    def from_environment(cls, rank: int, size: int, timeout_s: float, mpi: bool = False) -> ReadAgreement | None:
+        """Over the Gloo rendezvous store when the launcher set one up, else over MPI messages when Horovod
+        runs its MPI controller (`mpi`) and mpi4py is installed, else None (one process needs none)."""
+        if size < 2:
             return None
-        return cls(rank, size, f"{host}:{port}", timeout_s)
+        host, port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        if host and port:
+            return cls(rank, size, HttpStore(f"{host}:{port}"), timeout_s)
+        if mpi:
+            try:
+                return cls(rank, size, MpiStore(), timeout_s)
+            except ImportError:  # mpi4py comes with the horovod extra; without it reads are refused up front
+                return None
+        return None
 
     def agree(self, what: str) -> None:
         """Returns once every rank makes this same read (the `what`-th of its reads); raises ConfigError if a rank
@@ -64,13 +75,13 @@ class ReadAgreement:
                               "reads are no longer in step: restart the job (BackupAndRestore resumes it).")
         self._reads += 1
         scope = f"tfdist-read-{self._instance}-{self._reads}"
-        self._put(scope, f"rank{self.rank}", what)
+        self.store.put(scope, f"rank{self.rank}", what, readers=[0])
         verdict = self._decide(scope, what) if self.rank == 0 else self._await_verdict(scope)
         if self._reads > 2:  # every rank has passed the read before the previous one: its keys are not needed
             old = f"tfdist-read-{self._instance}-{self._reads - 2}"
-            self._delete(old, f"rank{self.rank}")
+            self.store.delete(old, f"rank{self.rank}")
             if self.rank == 0:
-                self._delete(old, "verdict")
+                self.store.delete(old, "verdict")
         if verdict != "go":
             self._broken = verdict
             raise ConfigError(verdict)
@@ -83,14 +94,14 @@ class ReadAgreement:
         for pause in _pauses():
             for r in others:
                 if r not in seen:
-                    value = self._get(scope, f"rank{r}")
+                    value = self.store.get(scope, f"rank{r}")
                     if value is not None:
                         seen[r] = value
             if len(seen) == len(others) or time.monotonic() > deadline:
                 break
             time.sleep(pause)
         # A rank that gave up waiting for this verdict must not be told to go.
-        withdrawn = [r for r in others if self._get(scope, f"withdrawn{r}") is not None]
+        withdrawn = [r for r in others if self.store.get(scope, f"withdrawn{r}") is not None]
         missing = [r for r in others if r not in seen or r in withdrawn]
         other_reads = {r: v for r, v in seen.items() if v != what and r not in missing}
         if missing:
@@ -102,61 +113,24 @@ class ReadAgreement:
                        + f". Every rank must run the same save code. {_FIX}")
         else:
             verdict = "go"
-        self._put(scope, "verdict", verdict)
+        self.store.put(scope, "verdict", verdict, readers=others)
         return verdict
 
     def _await_verdict(self, scope: str) -> str:
         deadline = time.monotonic() + 2 * self.timeout_s
         for pause in _pauses():
-            verdict = self._get(scope, "verdict")
+            verdict = self.store.get(scope, "verdict")
             if verdict is not None:
                 return verdict
             if time.monotonic() > deadline:
                 break
             time.sleep(pause)
-        self._put(scope, f"withdrawn{self.rank}", "1")
-        verdict = self._get(scope, "verdict")  # rank 0 may have decided just before the withdrawal reached it
+        self.store.put(scope, f"withdrawn{self.rank}", "1", readers=[0])
+        verdict = self.store.get(scope, "verdict")  # rank 0 may have decided just before the withdrawal reached it
         if verdict is not None:
             return verdict
         return (f"reading sharded state needs every rank, and rank 0 did not make this read within "
                 f"{2 * self.timeout_s:g} s. {_FIX}")
-
-    # --- the key-value store (Horovod's RendezvousHTTPServer: PUT/GET/DELETE /scope/key) ----------------------
-    def _url(self, scope: str, key: str) -> str:
-        return f"http://{self.address}/{scope}/{key}"
-
-    def _put(self, scope: str, key: str, value: str) -> None:
-        self._call(urllib.request.Request(self._url(scope, key), data=value.encode(), method="PUT")).close()
-
-    def _get(self, scope: str, key: str) -> str | None:
-        try:
-            with self._call(urllib.request.Request(self._url(scope, key))) as response:
-                return response.read().decode()
-        except _NotFound:
-            return None
-
-    def _delete(self, scope: str, key: str) -> None:
-        try:
-            self._call(urllib.request.Request(self._url(scope, key), method="DELETE")).close()
-        except _NotFound:
-            pass
-
-    def _call(self, request: urllib.request.Request):
-        try:
-            return urllib.request.urlopen(request, timeout=30)
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                raise _NotFound from None
-            raise ConfigError(f"reading sharded state: the job's rendezvous store at {self.address} answered "
-                              f"{err.code} to {request.get_method()} {request.full_url}.") from None
-        except (urllib.error.URLError, OSError) as err:
-            raise ConfigError(f"reading sharded state: the job's rendezvous store at {self.address} "
-                              f"(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) cannot be reached ({err}); is the launcher "
-                              "(tfdist launch, horovodrun) still running?") from None
-
-
-class _NotFound(Exception):
-    pass
 
 
 _FIX = ("Under HorovodStrategy with zero_stage, a save (model.save, save_weights, tf.train.Checkpoint) reads the "

@@ -89,8 +89,9 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
         save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a
             save, `get_weights` at stage 3) waits for every rank to make the same read, agreed through the
-            Gloo rendezvous store (tfdist.comm.read_agreement; under mpirun, with no such store, these reads
-            are refused up front: save inside `tfdist.sharding.gathered_state(model)` on every rank).
+            Gloo rendezvous store, or under mpirun through MPI messages (tfdist.comm.read_agreement; without
+            mpi4py these reads are refused up front there: save inside `tfdist.sharding.gathered_state(model)`
+            on every rank).
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
