@@ -11,6 +11,7 @@ from tfdist.cluster.slurm import RankInfo, SlurmCluster, in_slurm_step
 _LAZY = {
     "WorkerLostError": "tfdist.cluster.faults",
     "launch": "tfdist.cluster.launcher",
+    "list_devices": "tfdist.cluster.global_devices",
     "parse_tf_config": "tfdist.cluster.tf_config",
     "requeue_job": "tfdist.cluster.requeue",
 }

@@ -22,7 +22,9 @@ class DeviceMesh:
     Args:
         shape: devices per axis, e.g. `(2, 2)`; its product must equal the number of devices.
         axis_names: one name per axis, e.g. `("batch", "model")`.
-        devices: device names (GPUs or logical CPUs), or None for all local devices.
+        devices: device names (GPUs or logical CPUs), or None for all local devices. A mesh across processes
+            names every process's devices, '/job:worker/replica:0/task:T/device:CPU:I', e.g. from
+            `tfdist.cluster.list_devices()` (see tfdist.ModelParallelStrategy).
 
     Example:
         >>> import tfdist
@@ -50,9 +52,13 @@ class DeviceMesh:
             raise ConfigError(f"DeviceMesh: meshes of rank {len(shape)} are not supported yet (a data axis and a "
                               "model axis at most); pass shape=(batch, model).")
         from tfdist.devices import resolve_devices
+        from tfdist.placement.mesh_devices import canonical_task_devices, names_a_task
 
         flat = list(devices.flatten()) if isinstance(devices, np.ndarray) else devices
-        resolved = resolve_devices(None if flat is None else [str(d) for d in flat], parameter="devices")
+        if flat is not None and any(names_a_task(d) for d in flat):  # a mesh across processes (checked later)
+            resolved = canonical_task_devices([str(d) for d in flat], parameter="devices")
+        else:
+            resolved = resolve_devices(None if flat is None else [str(d) for d in flat], parameter="devices")
         if math.prod(shape) != len(resolved):
             raise ConfigError(f"DeviceMesh: shape {shape} holds {math.prod(shape)} devices but {len(resolved)} "
                               f"were given ({resolved}); pass that many devices or a shape whose product is "

@@ -10,11 +10,12 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, check_seconds
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.strategies.model_parallel_procs import process_rows, start_processes
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -38,6 +39,16 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     Args:
         layout_map: a `tfdist.LayoutMap` (or `keras.distribution.LayoutMap`) over a `tfdist.DeviceMesh`.
         batch_dim_name: the mesh axis along which data is split ("batch"); a mesh without it is one row.
+        timeout_s: across processes only: seconds to wait for the other processes at start-up and in any one
+            collective.
+
+    Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
+    '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
+    processes and each process holds whole rows (the model axis stays inside it). Create the mesh and the
+    strategy first thing (before TensorFlow initialises); each process reads its own part of every global batch,
+    gradients are summed over its rows and then across processes per device, so every process applies the same
+    update. Variables start as rank 0's. Save with `tfdist.cluster.save_model(model, path)` on every process (the
+    chief writes); `predict` returns each process's own part of every batch. See docs/tensor-parallel.md.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -56,7 +67,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         >>> print(strategy.shard_plan(model))          # which device holds which slice
     """
 
-    def __init__(self, layout_map, batch_dim_name: str = "batch"):
+    def __init__(self, layout_map, batch_dim_name: str = "batch", timeout_s: float = 60.0):
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
         if not isinstance(batch_dim_name, str):
@@ -71,6 +82,14 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self._plans: dict[int, tuple[weakref.ref, ShardPlan]] = {}
         self._models: weakref.WeakSet = weakref.WeakSet()
         self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
+        self.timeout_s = check_seconds(timeout_s, "timeout_s")
+        self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
+        rows = process_rows(self._grid)
+        if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
+            make_extended, self._server = start_processes(self, rows, self.timeout_s)
+            self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
+            tf_distribute.init_strategy(self, make_extended)
+            return
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.
         tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
@@ -83,7 +102,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     @property
     def mesh_rows(self) -> list[list[str]]:
-        """devices[row][k]: row = data-parallel replica, k = position on the model axis."""
+        """devices[row][k]: row = data-parallel replica, k = position on the model axis (across processes: this
+        process's rows)."""
         return [list(row) for row in self._grid]
 
     def shard(self, model: keras.Model) -> ShardPlan:
@@ -145,8 +165,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return self._grid[0]
-        value = tf.get_static_value(ctx.replica_id_in_sync_group)
-        return self._grid[int(value) if value is not None else 0]
+        value = tf.get_static_value(ctx.replica_id_in_sync_group)  # global: rows of earlier processes first
+        return self._grid[int(value) - self._first_row if value is not None else 0]
 
     def _on_optimizer_build(self, optimizer, variables) -> None:
         if keras_optimizer.optimizer_strategy(optimizer) is not self:

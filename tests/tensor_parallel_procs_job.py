@@ -1,0 +1,143 @@
+"""Worker script of tests/test_tensor_parallel_procs.py: ModelParallelStrategy with the batch axis across processes.
+
+Usage (under `tfdist launch -n 2 --devices-per-worker M`): python tensor_parallel_procs_job.py OUT [ROWS [MODELS]]
+Global mesh ROWS x (2M / ROWS) (default 2 x M: "batch" across the two processes, "model" inside each; ROWS = 4
+with M = 4 gives each process two rows). MODELS: comma-separated run tags (default: all). Writes
+OUT/rank{r}.json with, per run, the split model's logical weights, the one-device reference's, evaluate and predict
+results; the chief also writes OUT/mlp.keras.
+"""
+import json
+import os
+import sys
+
+out = sys.argv[1]
+import tfdist
+
+# First thing: the mesh over every process's devices, then the strategy (collectives configured before TF starts).
+devices = tfdist.cluster.list_devices()
+rows = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+mesh = tfdist.DeviceMesh((rows, len(devices) // rows), ("batch", "model"), devices)
+
+
+# The models and layouts of tests/test_tensor_parallel.py (copied: this script must not import pytest modules).
+def mlp():
+    import keras
+    inputs = keras.Input((12,))
+    x = keras.layers.Dense(32, activation="relu", name="up1")(inputs)
+    x = keras.layers.Dense(16, activation="tanh", name="down1")(x)
+    x = keras.layers.Dense(32, activation="relu", name="up2")(x)
+    x = keras.layers.Dense(16, name="down2")(x)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(x))
+
+
+def mlp_layout(mesh):
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map["up.*/kernel"] = (None, "model")
+    layout_map["up.*/bias"] = ("model",)
+    layout_map["down.*/kernel"] = ("model", None)
+    return layout_map
+
+
+def transformer_block():
+    import keras
+    inputs = keras.Input((6, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="mha")(inputs, inputs)
+    x = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
+    h = keras.layers.Dense(32, activation="relu", name="ff_up")(x)
+    h = keras.layers.Dense(16, name="ff_down")(h)
+    x = keras.layers.LayerNormalization(name="ln2")(x + h)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(x))
+
+
+def transformer_layout(mesh):
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["mha/(query|key|value)/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+    layout_map["ff_up/kernel"] = (None, "model")
+    layout_map["ff_up/bias"] = ("model",)
+    layout_map["ff_down/kernel"] = ("model", None)
+    return layout_map
+
+
+def cnn_layout(mesh):
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map[".*conv1/kernel"] = (None, None, None, "model")
+    layout_map[".*conv1/bias"] = ("model",)
+    layout_map[".*conv2/kernel"] = (None, None, "model", None)
+    layout_map[".*dense1/kernel"] = (None, "model")
+    layout_map[".*dense1/bias"] = ("model",)
+    layout_map[".*logits/kernel"] = ("model", None)
+    return layout_map
+
+
+layouts = {"mlp": mlp_layout(mesh), "transformer": transformer_layout(mesh), "cnn": cnn_layout(mesh)}
+strategy = tfdist.ModelParallelStrategy(layouts["mlp"], batch_dim_name="batch", timeout_s=60)
+import keras
+import numpy as np
+import tensorflow as tf
+
+rank = tfdist.cluster.rank(strategy)
+rng = np.random.RandomState(0)
+DATA = {
+    "mlp": (rng.rand(64, 12).astype("float32"), rng.randint(0, 5, size=64), 16),
+    "transformer": (rng.rand(32, 6, 16).astype("float32"), rng.randint(0, 3, size=32), 8),
+    "cnn": (rng.rand(32, 8, 8, 1).astype("float32"), rng.randint(0, 10, size=32), 8),
+}
+BUILD = {"mlp": mlp, "transformer": transformer_block,
+         "cnn": lambda: tfdist.models.cnn(input_shape=(8, 8, 1), filters=(8, 8), dense_units=16)}
+LOSS = {"mlp": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "transformer": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "cnn": lambda: "sparse_categorical_crossentropy"}
+RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
+        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01)), ("cnn", "sgd", lambda: keras.optimizers.SGD(0.1))]
+
+
+def logical(model, strategy_=None) -> dict:
+    """Every logical variable by path (a split layer's variables read as their shards' concatenation)."""
+    values = {v.path: v.numpy() for v in model.weights if "_shard_" not in v.path}
+    for split in strategy_.shard_plan(model).layers if strategy_ is not None else []:
+        values.update({kv.path: kv.numpy() for kv in split.logical.values()})
+    return {path: np.asarray(value).tolist() for path, value in values.items()}
+
+
+def fit(name, optimizer, strategy_):
+    x, y, batch = DATA[name]
+    scope = strategy_.scope() if strategy_ is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(11)
+        model = BUILD[name]()
+        model.compile(optimizer=optimizer(), loss=LOSS[name](), metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+record = {"rank": rank, "local_devices": list(strategy.extended.worker_devices),
+          "num_replicas": strategy.num_replicas_in_sync, "mesh_rows": strategy.mesh_rows}
+wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+for name, opt_name, optimizer in RUNS:
+    tag = f"{name}-{opt_name}"
+    if wanted is not None and tag not in wanted:
+        continue
+    if name != "mlp":  # one strategy per model's layout map (each one's collective keys are its own)
+        strategy = tfdist.ModelParallelStrategy(layouts[name], batch_dim_name="batch", timeout_s=60)
+    reference, ref_loss = fit(name, optimizer, None)
+    split, loss = fit(name, optimizer, strategy)
+    x, y, batch = DATA[name]
+    entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
+             "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
+             "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
+             "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
+             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist()}
+    if tag == "mlp-adam":
+        plan = strategy.shard_plan(split)
+        entry["shards"] = {f"{s.name}/{role}": [[list(v.shape), [c.device for c in v.value.values]] for v in vs]
+                           for s in plan.layers for role, vs in s.shards.items()}
+        entry["slots"] = [np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables]
+        # Every worker calls it, the chief writes (tfdist's saving convention); True where the file was written.
+        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+    record[tag] = entry
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(record, f)
+print(f"rank {rank} done", flush=True)

@@ -1,0 +1,238 @@
+"""ModelParallelStrategy with the mesh's batch axis across processes (issue 14: "two workers x 2 devices").
+
+One real launch (2 processes x 2 logical CPUs on loopback, global mesh 2 x 2: "batch" across the processes, "model"
+inside each; tests/tensor_parallel_procs_job.py) checks `fit` of the MLP (SGD and Adam), the Transformer block
+(Adam) and the example CNN against one device on the same global batches, identical workers, evaluate/predict,
+the chief's `.keras` file in plain Keras, and where the shards live. The bad meshes are refused before anything
+starts, so those tests need no launch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.cluster.launcher import launch
+from tfdist.errors import ConfigError, InitOrderError
+
+JOB = os.path.join(os.path.dirname(__file__), "tensor_parallel_procs_job.py")
+TASK = "/job:worker/replica:0/task:{}/device:CPU:{}"
+TAGS = ("mlp-sgd", "mlp-adam", "transformer-adam", "cnn-sgd")
+
+PLAIN_KERAS = """
+import json, sys
+import numpy as np
+import keras  # no tfdist: the file must load in plain Keras on one device
+model = keras.models.load_model(sys.argv[1])
+print(json.dumps({"weights": {v.path: np.asarray(v.numpy()).tolist() for v in model.weights},
+                  "slots": {v.path: list(v.shape) for v in model.optimizer.variables},
+                  "iterations": int(model.optimizer.iterations.numpy())}))
+"""
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_procs")
+    log = io.StringIO()
+    rc = launch([sys.executable, JOB, str(out)], 2, devices_per_worker=2, out=log, timeout_s=300,
+                env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert rc == 0, log.getvalue()[-4000:]
+    records = []
+    for rank in (0, 1):
+        with open(out / f"rank{rank}.json") as f:
+            records.append(json.load(f))
+    proc = subprocess.run([sys.executable, "-c", PLAIN_KERAS, str(out / "mlp.keras")], capture_output=True, text=True,
+                          timeout=180, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return records, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def arrays(weights: dict) -> dict:
+    return {path: np.asarray(value, "float64") for path, value in weights.items()}
+
+
+@pytest.mark.slow
+def test_fit_across_two_processes_equals_one_device_and_workers_stay_identical(job):
+    records, _ = job
+    for tag in TAGS:
+        got, ref = arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"])
+        other = arrays(records[1][tag]["weights"])
+        assert set(got) == set(ref), tag
+        for path in got:
+            np.testing.assert_array_equal(got[path], other[path], err_msg=f"{tag} {path}: workers differ")
+            diff = float(np.max(np.abs(got[path] - ref[path])))
+            if tag.endswith("sgd"):
+                assert diff <= 1e-5, (tag, path, diff)
+            elif path == "mha/key/bias":
+                # Softmax ignores a per-key constant: this bias's true gradient is 0 and what reaches it is rounding
+                # noise, which Adam's m / sqrt(v) turns into +-lr steps (one device vs two differ by ~1e-4 there).
+                assert np.max(np.abs(ref[path])) < 1e-3 and diff < 1e-3, (tag, path, diff)
+            else:
+                assert diff <= 1e-4 * max(float(np.max(np.abs(ref[path]))), 1e-3), (tag, path, diff)
+        np.testing.assert_allclose(records[0][tag]["loss"], records[0][tag]["ref_loss"], rtol=1e-5)
+        assert records[0][tag]["loss"] == records[1][tag]["loss"], tag  # History: global losses on every worker
+    # Training moved the weights (the comparison above is not of two untrained models).
+    mlp = arrays(records[0]["mlp-adam"]["weights"])
+    assert not np.allclose(mlp["up1/kernel"], arrays(records[0]["mlp-sgd"]["weights"])["up1/kernel"])
+    slots = [np.asarray(s) for s in records[0]["mlp-adam"]["slots"]]
+    for a, b in zip(slots, records[1]["mlp-adam"]["slots"]):
+        np.testing.assert_array_equal(a, np.asarray(b))  # Adam state identical on both workers
+
+
+@pytest.mark.slow
+def test_evaluate_is_global_and_predict_gives_each_worker_its_half_of_every_batch(job):
+    records, _ = job
+    batch = {"mlp": 16, "transformer": 8, "cnn": 8}
+    for tag in TAGS:
+        e0, e1, ref = records[0][tag]["evaluate"], records[1][tag]["evaluate"], records[0][tag]["ref_evaluate"]
+        assert e0 == e1, tag
+        np.testing.assert_allclose(e0, ref, rtol=1e-5)
+        full = np.asarray(records[0][tag]["ref_predict"])
+        b = batch[tag.split("-")[0]]
+        for rank in (0, 1):
+            rows = [i for i in range(len(full)) if (i % b) // (b // 2) == rank]
+            np.testing.assert_allclose(records[rank][tag]["predict"], full[rows], atol=1e-5, err_msg=tag)
+
+
+@pytest.mark.slow
+def test_the_chiefs_keras_file_loads_in_plain_keras_with_the_trained_weights(job):
+    records, plain = job
+    trained = arrays(records[0]["mlp-adam"]["weights"])
+    loaded = arrays(plain["weights"])
+    assert set(loaded) == set(trained)
+    for path in trained:
+        np.testing.assert_array_equal(loaded[path], trained[path], err_msg=path)
+    # Adam state in the file is the logical one plain Keras has: one momentum and velocity per logical variable.
+    for path, value in trained.items():
+        name = path.replace("/", "_")
+        assert [list(value.shape)] * 2 == [s for p, s in plain["slots"].items()
+                                           if p.split("/")[-1] in (f"{name}_momentum", f"{name}_velocity")], path
+    assert plain["iterations"] == 8  # 2 epochs x 4 global batches
+    assert [r["mlp-adam"]["wrote_keras"] for r in records] == [True, False]  # save_model on both, the chief wrote
+
+
+@pytest.mark.slow
+def test_each_process_holds_one_row_and_its_shards_on_its_own_devices(job):
+    records, _ = job
+    for rank in (0, 1):
+        record = records[rank]
+        assert record["num_replicas"] == 2  # the mesh's 2 rows, one per process
+        assert record["local_devices"] == [TASK.format(rank, 0)]
+        assert record["mesh_rows"] == [[TASK.format(rank, 0), TASK.format(rank, 1)]]
+        shards = record["mlp-adam"]["shards"]
+        assert shards["up1/kernel"] == [[[12, 16], [TASK.format(rank, 0)]], [[12, 16], [TASK.format(rank, 1)]]]
+        assert shards["down1/kernel"] == [[[16, 16], [TASK.format(rank, 0)]], [[16, 16], [TASK.format(rank, 1)]]]
+        assert shards["up2/bias"] == [[[16], [TASK.format(rank, 0)]], [[16], [TASK.format(rank, 1)]]]
+
+
+@pytest.mark.slow
+def test_two_rows_per_process_sum_locally_then_across_processes(tmp_path):
+    # 2 processes x 4 devices, mesh 4 x 2: each process holds two rows; a gradient is summed over them first.
+    log = io.StringIO()
+    rc = launch([sys.executable, JOB, str(tmp_path), "4", "mlp-sgd"], 2, devices_per_worker=4, out=log,
+                timeout_s=300, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert rc == 0, log.getvalue()[-4000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, record in enumerate(records):
+        assert record["num_replicas"] == 4
+        assert record["mesh_rows"] == [[TASK.format(rank, 0), TASK.format(rank, 1)],
+                                       [TASK.format(rank, 2), TASK.format(rank, 3)]]
+        got, ref = arrays(record["mlp-sgd"]["weights"]), arrays(record["mlp-sgd"]["reference"])
+        for path in ref:
+            assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-5, path
+            np.testing.assert_array_equal(got[path], arrays(records[0]["mlp-sgd"]["weights"])[path])
+        assert record["mlp-sgd"]["evaluate"] == records[0]["mlp-sgd"]["evaluate"]
+
+
+DIFFERENT_MODELS = """
+import sys
+import tfdist
+mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), tfdist.cluster.list_devices())
+layout_map = tfdist.LayoutMap(mesh)
+layout_map["up/kernel"] = (None, "model")
+strategy = tfdist.ModelParallelStrategy(layout_map, timeout_s=30)
+import keras
+with strategy.scope():  # process 1 builds a wider layer than process 0
+    keras.Sequential([keras.Input((4,)), keras.layers.Dense(8 + 8 * tfdist.cluster.rank(strategy), name="up")])
+"""
+
+
+@pytest.mark.slow
+def test_processes_that_build_different_models_get_a_config_error_not_a_hang():
+    log = io.StringIO()
+    rc = launch([sys.executable, "-c", DIFFERENT_MODELS], 2, devices_per_worker=2, out=log, timeout_s=120,
+                env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    text = log.getvalue()
+    assert rc != 0, text[-2000:]
+    assert "ConfigError: ModelParallelStrategy: the processes are building different models" in text, text[-3000:]
+    assert "process 0: shape (4, 8) float32; process 1: shape (4, 16) float32" in text, text[-3000:]
+
+
+# --- naming a mesh across processes, and meshes that do not fit the job (no launch needed) -----------------------
+def tf_config(n: int, index: int) -> str:
+    return json.dumps({"cluster": {"worker": [f"localhost:{12000 + i}" for i in range(n)]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def test_list_devices_names_every_process_device_in_rank_order():
+    env = {"TF_CONFIG": tf_config(2, 1), "TFDIST_LOCAL_DEVICES": "2"}
+    assert tfdist.cluster.list_devices(environ=env) == [TASK.format(0, 0), TASK.format(0, 1),
+                                                         TASK.format(1, 0), TASK.format(1, 1)]
+    assert tfdist.cluster.list_devices(environ={"TFDIST_LOCAL_DEVICES": "3"}) == [
+        "/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]  # no job: this process's own devices
+    with pytest.raises(ConfigError, match="TFDIST_LOCAL_DEVICES is not set"):
+        tfdist.cluster.list_devices(environ={"TF_CONFIG": tf_config(2, 0)})
+    mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), tfdist.cluster.list_devices(environ=env))
+    assert mesh.devices[1, 0] == TASK.format(1, 0)
+
+
+@pytest.mark.parametrize("shape, devices, local, message", [
+    ((2, 2), [TASK.format(0, 0), TASK.format(1, 0), TASK.format(0, 1), TASK.format(1, 1)], "2",
+     "mesh row 0 .* straddles processes"),
+    ((2, 1), [TASK.format(0, 0), TASK.format(1, 0)], "2", r"the mesh has 2 devices but the job has 2 processes x 2"),
+    ((3, 1), [TASK.format(0, 0), TASK.format(0, 1), TASK.format(1, 0)], None, "same number of mesh rows"),
+    ((2, 2), [TASK.format(0, 0), TASK.format(0, 1), TASK.format(2, 0), TASK.format(2, 1)], None,
+     "not a task of this job"),
+    ((2, 2), [TASK.format(1, 0), TASK.format(1, 1), TASK.format(0, 0), TASK.format(0, 1)], None, "rank order"),
+    ((2, 1), [TASK.format(0, 0), TASK.format(1, 1)], None, "different local devices"),
+])
+def test_meshes_that_do_not_fit_the_job_are_config_errors(monkeypatch, shape, devices, local, message):
+    monkeypatch.setenv("TF_CONFIG", tf_config(2, 0))
+    if local is None:
+        monkeypatch.delenv("TFDIST_LOCAL_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("TFDIST_LOCAL_DEVICES", local)
+    layout_map = tfdist.LayoutMap(tfdist.DeviceMesh(shape, ("batch", "model"), devices))
+    with pytest.raises(ConfigError, match=message):
+        tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch")
+
+
+def test_a_local_mesh_in_a_job_and_a_job_mesh_alone_are_config_errors(monkeypatch):
+    local = tfdist.LayoutMap(tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)]))
+    monkeypatch.setenv("TF_CONFIG", tf_config(2, 1))
+    with pytest.raises(ConfigError, match="each process would train alone.*list_devices"):
+        tfdist.ModelParallelStrategy(local)
+    monkeypatch.delenv("TF_CONFIG")
+    remote = tfdist.LayoutMap(tfdist.DeviceMesh((2, 1), ("batch", "model"), [TASK.format(0, 0), TASK.format(1, 0)]))
+    with pytest.raises(ConfigError, match="no TF_CONFIG of 2 or more workers.*tfdist launch"):
+        tfdist.ModelParallelStrategy(remote)
+    with pytest.raises(ConfigError, match="does not name a process's device"):
+        tfdist.DeviceMesh((2, 1), ("batch", "model"), [TASK.format(0, 0), "/cpu:1"])
+
+
+def test_a_mesh_across_processes_after_tensorflow_started_is_an_init_order_error(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config(2, 0))
+    monkeypatch.setenv("TFDIST_LOCAL_DEVICES", "2")
+    import tensorflow as tf
+
+    tf.constant(0.0).numpy()  # this test session's TensorFlow runs (whichever tests ran before)
+    layout_map = tfdist.LayoutMap(tfdist.DeviceMesh((2, 2), ("batch", "model"), tfdist.cluster.list_devices()))
+    with pytest.raises(InitOrderError, match="before TensorFlow initialises"):
+        tfdist.ModelParallelStrategy(layout_map)

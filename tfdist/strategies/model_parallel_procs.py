@@ -1,0 +1,187 @@
+"""ModelParallelStrategy across processes: the mesh's "batch" axis spans processes, its "model" axis stays inside one.
+
+A mesh names every process's devices ('/job:worker/replica:0/task:T/device:CPU:I', `tfdist.cluster.list_devices()`).
+Each process holds whole rows, the same number, on the same local device positions. Start-up is
+MultiWorkerMirroredStrategy's (TF's coordination service with deadlines, the gRPC server and collective ops
+configured before TensorFlow initialises); then each process runs a `RowsExtended` over its own rows, whose
+reductions sum over the local rows and then across processes with one TF collective group per device position
+(`tfdist.comm.device_groups`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tfdist._compat import distribute as tf_distribute
+from tfdist._compat import tf_runtime
+from tfdist._compat.device_groups import RowsExtended, device_launchers
+from tfdist.cluster.env import LOCAL_DEVICES_ENV, local_device_count
+from tfdist.cluster.faults import install_excepthook, startup_watchdog
+from tfdist.cluster.peers import startup_error, wait_for_peers
+from tfdist.cluster.tf_config import (
+    MULTI_WORKER_JOBS,
+    ClusterConfig,
+    tf_config_from_env,
+)
+from tfdist.comm.device_groups import DeviceGroupAllReduce, ProcessDevices
+from tfdist.devices import process_devices
+from tfdist.errors import ConfigError, InitOrderError
+from tfdist.placement.mesh_devices import local_name, names_a_task, task_of
+
+__all__ = ["ProcessRows", "process_rows", "start_processes"]
+
+_STARTED: dict = {}  # "server": (TF_CONFIG of the job this process joined, the object keeping its server)
+
+
+@dataclasses.dataclass
+class ProcessRows:
+    """This process's share of a mesh across processes."""
+
+    config: ClusterConfig
+    rank: int
+    size: int
+    local_grid: list[list[str]]  # this process's rows, devices named as TF names them after start-up
+    first_row: int               # global index of this process's first row
+    devices_per_process: int
+
+
+def process_rows(grid: Sequence[Sequence[str]], environ=None) -> ProcessRows | None:
+    """Checks a mesh grid (rows x model positions) against the job: None for a mesh of local devices in a process
+    that is not part of a multi-process job; else this process's rows. ConfigError, naming the fix, for a mesh
+    that does not fit the job (unknown tasks, a row that straddles processes, uneven or differently placed rows,
+    a device count other than processes x devices per process)."""
+    config = tf_config_from_env(environ)
+    multi = config is not None and config.num_workers > 1
+    flat = [d for row in grid for d in row]
+    if not any(names_a_task(d) for d in flat):
+        if multi:
+            raise ConfigError(
+                f"ModelParallelStrategy: this process is task {config.task_name} of a {config.num_workers}-process "
+                f"job (TF_CONFIG), but the mesh lists only local devices {flat[:4]}{'...' if len(flat) > 4 else ''}: "
+                "each process would train alone. Name every process's devices, e.g. "
+                "DeviceMesh(shape, ('batch', 'model'), tfdist.cluster.list_devices()), or unset TF_CONFIG.")
+        return None
+    if not multi:
+        raise ConfigError(
+            f"ModelParallelStrategy: the mesh names devices of processes ({flat[0]!r}, ...) but this process has no "
+            "TF_CONFIG of 2 or more workers. Start the processes with `tfdist launch -n N --devices-per-worker M -- "
+            "python train.py` (or set TF_CONFIG), or name local devices ('/cpu:0') for one process.")
+    ranks = _task_ranks(config)
+    rows_of: dict[int, list[int]] = {}
+    for r, row in enumerate(grid):
+        tasks = sorted({task_of(d) for d in row})
+        for task in tasks:
+            if task not in ranks:
+                raise ConfigError(f"ModelParallelStrategy: mesh row {r} names /job:{task[0]}/task:{task[1]}, which "
+                                  f"is not a task of this job (TF_CONFIG: {_describe(config)}).")
+        if len(tasks) > 1:
+            raise ConfigError(
+                f"ModelParallelStrategy: mesh row {r} (one index of the batch axis) straddles processes "
+                f"{[f'/job:{job}/task:{index}' for job, index in tasks]}: {list(row)}. The model axis must stay inside one "
+                "process (its exchanges run every layer); list the devices process by process, as "
+                "tfdist.cluster.list_devices() does, so each row's devices are one process's.")
+        rows_of.setdefault(ranks[tasks[0]], []).append(r)
+    size = config.num_workers
+    missing = [rank for rank in range(size) if rank not in rows_of]
+    counts = {rank: len(rows) for rank, rows in rows_of.items()}
+    if missing or len(set(counts.values())) != 1:
+        raise ConfigError(
+            f"ModelParallelStrategy: every one of the {size} processes must hold the same number of mesh rows; "
+            f"rows per process rank: {[counts.get(rank, 0) for rank in range(size)]}. Use a batch axis of "
+            f"{size} x rows-per-process and tfdist.cluster.list_devices().")
+    per = counts[0]
+    for rank, rows in rows_of.items():
+        if rows != list(range(rank * per, (rank + 1) * per)):
+            raise ConfigError(f"ModelParallelStrategy: mesh rows {rows} belong to process {rank}; rows go process by "
+                              f"process in rank order (process {rank}: rows {rank * per}..{(rank + 1) * per - 1}), as "
+                              "tfdist.cluster.list_devices() lists them.")
+    layouts = {rank: [[local_name(d) for d in grid[r]] for r in rows] for rank, rows in rows_of.items()}
+    if any(layout != layouts[0] for layout in layouts.values()):
+        raise ConfigError(f"ModelParallelStrategy: the processes place their rows on different local devices "
+                          f"({ {rank: layouts[rank] for rank in sorted(layouts)} }); every process must use the "
+                          "same device positions (tfdist.cluster.list_devices() does).")
+    local = [d for row in layouts[0] for d in row]
+    m = local_device_count(environ)
+    if m is not None and len(flat) != size * m:
+        raise ConfigError(f"ModelParallelStrategy: the mesh has {len(flat)} devices but the job has {size} processes "
+                          f"x {m} devices ({LOCAL_DEVICES_ENV}={m}) = {size * m}. Give the mesh {size * m} devices "
+                          "(tfdist.cluster.list_devices()), or launch with --devices-per-worker "
+                          f"{len(flat) // size if len(flat) % size == 0 else '?'}.")
+    if m is None:
+        m = 1 + max(int(tf.DeviceSpec.from_string(d).device_index or 0) for d in local)
+    rank = config.rank
+    job, task = config.task_type, config.task_index
+    prefix = f"/job:{job}/replica:0/task:{task}"
+    local_grid = [[prefix + d for d in row] for row in layouts[0]]
+    return ProcessRows(config, rank, size, local_grid, rank * per, m)
+
+
+def start_processes(strategy, rows: ProcessRows, timeout_s: float):
+    """Starts this process's server and TF's collectives for the job (every process calls it, first thing; later
+    strategies of the same job reuse them), then returns `make_extended()` for
+    `tfdist._compat.distribute.init_strategy`, and the object keeping the server."""
+    config = rows.config
+    started = _STARTED.get("server")
+    if started is not None:
+        if started[0] != config.to_json():
+            raise ConfigError(f"ModelParallelStrategy: this process already joined the job {started[0]}; a process "
+                              f"joins one job (got {config.to_json()}).")
+        return _make_extended(strategy, rows, timeout_s), started[1]
+    if tf_runtime.context_initialized():
+        raise InitOrderError(
+            "tfdist.ModelParallelStrategy over a mesh across processes must be created before TensorFlow "
+            "initialises (before any tensor, model, dataset or tf.config.list_logical_devices() call): collective ops "
+            "can only be configured at program start. Create the mesh and the strategy first thing in the script.")
+    kind = tf.DeviceSpec.from_string(rows.local_grid[0][0]).device_type.upper()
+    process_devices(rows.devices_per_process if kind == "CPU" else [local_name(d) for r in rows.local_grid for d in r],
+                    parameter="mesh devices")  # M logical CPUs, configured before TF initialises
+    leader = "chief" if "chief" in config.cluster else "worker"
+    heartbeat_s = min(timeout_s, 20.0)
+    tf_runtime.configure_coordination(
+        f"/job:{leader}/replica:0/task:0",
+        {job: len(config.cluster[job]) for job in MULTI_WORKER_JOBS if job in config.cluster},
+        register_timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_s, shutdown_timeout_s=timeout_s)
+    if config.is_chief:
+        wait_for_peers(config, timeout_s)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(config.cluster), task_type=config.task_type, task_id=config.task_index, rpc_layer="grpc")
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
+    with startup_watchdog(timeout_s + 15.0, lambda: str(startup_error(config, timeout_s, None))):
+        try:
+            server = tf_distribute.collective_server(resolver, options)
+        except (tf.errors.OpError, RuntimeError) as err:
+            raise startup_error(config, timeout_s, err) from None
+    install_excepthook(config)
+    _STARTED["server"] = (config.to_json(), server)
+    return _make_extended(strategy, rows, timeout_s), server
+
+
+def _make_extended(strategy, rows: ProcessRows, timeout_s: float):
+    config = rows.config
+    host = f"/job:{config.task_type}/replica:0/task:{config.task_index}/device:CPU:0"
+    # One collective group per device position (host CPU first: metrics, input agreement, variable start).
+    devices = [host] + sorted({d for row in rows.local_grid for d in row} - {host}, key=_position)
+
+    def make_extended():
+        ops = DeviceGroupAllReduce(device_launchers(strategy, devices, rows.size, timeout_s), rows.size)
+        group = ProcessDevices(rows.rank, rows.size, ops.launcher_for(host))
+        return RowsExtended(strategy, [row[0] for row in rows.local_grid], ops, group)
+
+    return make_extended
+
+
+def _position(device: str) -> tuple[str, int]:
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.device_type.upper(), int(spec.device_index or 0)
+
+
+def _task_ranks(config: ClusterConfig) -> dict[tuple[str, int], int]:
+    order = [(job, i) for job in MULTI_WORKER_JOBS for i in range(len(config.cluster.get(job, [])))]
+    return {task: rank for rank, task in enumerate(order)}
+
+
+def _describe(config: ClusterConfig) -> str:
+    return ", ".join(f"{job} x {len(config.cluster[job])}" for job in MULTI_WORKER_JOBS if job in config.cluster)
