@@ -16,8 +16,10 @@ class DeviceMesh:
     """A grid of devices with one name per axis (Keras' `keras.distribution.DeviceMesh` vocabulary).
 
     The axis named like the strategy's `batch_dim_name` ("batch") is data parallelism (its rows are
-    replicas); the other axis (conventionally "model") splits variables. Same constructor and
-    semantics as Keras: `devices` (default: every local device) is reshaped row-major to `shape`.
+    replicas); the other axis (conventionally "model") splits variables. A third axis (`stage_dim_name` of
+    `ModelParallelStrategy`, "stage") makes pipeline stages whose layers run on their own model-axis group.
+    Same constructor and semantics as Keras: `devices` (default: every local device) is reshaped row-major to
+    `shape`.
 
     Args:
         shape: devices per axis, e.g. `(2, 2)`; its product must equal the number of devices.
@@ -48,9 +50,9 @@ class DeviceMesh:
             raise ConfigError(f"DeviceMesh: shape {shape} and axis_names {axis_names} must have the same length.")
         if len(set(axis_names)) != len(axis_names) or not all(isinstance(a, str) and a for a in axis_names):
             raise ConfigError(f"DeviceMesh: axis_names must be distinct non-empty strings, got {axis_names!r}.")
-        if len(shape) > 2:
-            raise ConfigError(f"DeviceMesh: meshes of rank {len(shape)} are not supported yet (a data axis and a "
-                              "model axis at most); pass shape=(batch, model).")
+        if len(shape) > 3:
+            raise ConfigError(f"DeviceMesh: meshes of rank {len(shape)} are not supported (a data axis, a pipeline "
+                              "stage axis and a model axis at most); pass shape=(batch, stage, model).")
         from tfdist.devices import resolve_devices
         from tfdist.placement.mesh_devices import canonical_task_devices, names_a_task
 
@@ -85,8 +87,15 @@ class DeviceMesh:
         return self._shape[self._axis_names.index(name)] if name in self._axis_names else 1
 
     def grid(self, batch_dim_name: str) -> list[list[str]]:
-        """devices[row][k]: one row per index of `batch_dim_name`, k along the other (model) axis."""
+        """devices[row][k]: one row per index of `batch_dim_name`, k along the other (model) axis. A rank-3 mesh
+        lists each row's devices in the order of the other two axes (see `stage_groups`)."""
         devices = self._devices
+        if len(self._shape) == 3:
+            if batch_dim_name not in self._axis_names:
+                raise ConfigError(f"batch_dim_name={batch_dim_name!r} is not an axis of the mesh "
+                                  f"{self._axis_names}; name one of them.")
+            rows = np.moveaxis(devices, self._axis_names.index(batch_dim_name), 0)
+            return [list(row) for row in rows.reshape(rows.shape[0], -1)]
         if len(self._shape) == 1:
             flat = list(devices)
             return [[d] for d in flat] if self._axis_names[0] == batch_dim_name else [flat]
@@ -96,6 +105,30 @@ class DeviceMesh:
             raise ConfigError(f"batch_dim_name={batch_dim_name!r} is not an axis of the mesh {self._axis_names}; "
                               "name one of them, e.g. DeviceMesh((2, 2), ('batch', 'model')).")
         return [list(row) for row in devices]
+
+    def stage_groups(self, batch_dim_name: str, stage_dim_name: str) -> list[list[list[str]]]:
+        """devices[row][stage][k] of a rank-3 mesh: row along `batch_dim_name`, stage along `stage_dim_name`,
+        k along the remaining (model) axis. Each [row][stage] list is one tensor-parallel group.
+
+        Example:
+            >>> mesh = tfdist.DeviceMesh((2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
+            >>> mesh.stage_groups("batch", "stage")[1][0]     # row 1, stage 0: its model-axis group
+            ['/device:CPU:4', '/device:CPU:5']
+        """
+        if len(self._shape) != 3:
+            raise ConfigError(f"stage_groups needs a rank-3 mesh (batch, stage, model), this one has axes "
+                              f"{self._axis_names}.")
+        for parameter, name in (("batch_dim_name", batch_dim_name), ("stage_dim_name", stage_dim_name)):
+            if name not in self._axis_names:
+                raise ConfigError(f"{parameter}={name!r} is not an axis of the mesh {self._axis_names}; name one "
+                                  "of them, e.g. DeviceMesh((2, 2, 2), ('batch', 'stage', 'model')).")
+        if batch_dim_name == stage_dim_name:
+            raise ConfigError(f"batch_dim_name and stage_dim_name are both {batch_dim_name!r}; name two different "
+                              f"axes of {self._axis_names}.")
+        model = next(i for i, a in enumerate(self._axis_names) if a not in (batch_dim_name, stage_dim_name))
+        order = (self._axis_names.index(batch_dim_name), self._axis_names.index(stage_dim_name), model)
+        devices = np.transpose(self._devices, order)
+        return [[list(group) for group in row] for row in devices]
 
     def __repr__(self) -> str:
         return f"<DeviceMesh shape={self._shape}, axis_names={self._axis_names}>"

@@ -29,7 +29,7 @@ def move_model_variables(strategy: tf.distribute.Strategy, model, graph: list[tu
     done: set[int] = set()
     for layer, *_ in graph:
         devices = [row[plan.stage_of[layer.name]] for row in plan.devices]
-        for kv in layer.variables:
+        for kv in getattr(layer, "variables", ()):  # functional ops (x + y) have no variables
             if id(kv) not in done:
                 done.add(id(kv))
                 _move(strategy, kv, devices, moved)

@@ -118,7 +118,7 @@ def _estimate_flops(layer, in_shapes: list[tuple], out_shapes: list[tuple]) -> f
         # Dense and convolutions alike: each output element is a dot product with
         # kernel.size / out_channels weights (a multiply and an add each).
         return 2.0 * _prod(kernel.shape) * out_elems / kernel.shape[-1]
-    params = sum(_prod(w.shape) for w in layer.weights)
+    params = sum(_prod(w.shape) for w in getattr(layer, "weights", ()))
     if params:
         return 2.0 * params + out_elems
     return float(max(out_elems, sum(_prod(s[1:]) for s in in_shapes)))  # element-wise / pooling
@@ -133,7 +133,7 @@ def describe_model(model) -> list[LayerInfo]:
         dtype_bytes = 2 if "16" in str(getattr(layer, "compute_dtype", "float32")) else 4
         infos.append(LayerInfo(
             name=layer.name, index=index, parents=[p.name for p in parents],
-            params=sum(_prod(w.shape) for w in layer.weights),
+            params=sum(_prod(w.shape) for w in getattr(layer, "weights", ())),  # an op (x + y) has none
             flops=_estimate_flops(layer, in_shapes, out_shapes),
             activation_bytes=sum(_prod(s[1:]) for s in out_shapes) * dtype_bytes,
             input_shapes=in_shapes,

@@ -20,7 +20,7 @@ from tfdist.placement.tensor_parallel_optimizer import first_copy_device, keep_l
 from tfdist.placement.tensor_parallel_passing import pass_shards_through, split_attention
 from tfdist.placement.tensor_parallel_rules import layer_kind, split_axis
 
-__all__ = ["ShardPlan", "SplitLayer", "keep_logical_optimizer_saving", "shard_model"]
+__all__ = ["ShardPlan", "SplitLayer", "keep_logical_optimizer_saving", "places_itself", "shard_model"]
 
 
 @dataclasses.dataclass
@@ -67,10 +67,18 @@ class ShardPlan:
 
 def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map: LayoutMap,
                 grid: Sequence[Sequence[str]], model_axis: str, batch_axis: str,
-                devices_for_replica: Callable[[], Sequence[str]]) -> ShardPlan:
+                devices_for_replica: Callable[[], Sequence[str]],
+                groups: Callable[[keras.layers.Layer], tuple[list[list[str]], Callable[[], Sequence[str]]]]
+                | None = None) -> ShardPlan:
     """Splits every variable `layout_map` assigns to `model_axis` into len(grid[0]) shards, shard k mirrored over
     grid[r][k] for every row r; swaps the shards in for the logical variables (which then read as the shards'
-    concatenation) and makes the split layers compute from them. Call inside `strategy.scope()`, eagerly."""
+    concatenation) and makes the split layers compute from them. Call inside `strategy.scope()`, eagerly.
+
+    `groups(layer)`, if given, overrides (grid, devices_for_replica) per layer: a pipeline stage's layers shard
+    over that stage's model-axis group (`grid` then only lists every device, for the byte counts)."""
+    def group_of(layer):
+        return groups(layer) if groups is not None else (grid, devices_for_replica)
+
     everything = keras_model.all_layers(model)
     # Layers another model (a Sequential's inner functional model, a shared sub-model) already split stay so.
     done = [_split_layers[layer] for layer in everything if layer in _split_layers]
@@ -82,7 +90,12 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
             raise ConfigError(f"LayoutMap splits variable {path!r} over the batch axis {batch_axis!r} ({layout}); "
                               "variables can be split over the model axis only (data-parallel rows hold whole "
                               "copies). Use tfdist.sharding (ZeRO) to split optimizer state over the batch axis.")
-    parts = len(grid[0])
+        other = [a for a in layout if a not in (None, model_axis)]
+        if other:
+            raise ConfigError(f"LayoutMap splits variable {path!r} over the axis {other[0]!r} ({layout}); variables "
+                              f"can be split over the model axis {model_axis!r} only (a pipeline stage holds its "
+                              "layers' variables whole or split over its model-axis group).")
+    parts = len(group_of(everything[0])[0][0]) if everything else len(grid[0])  # devices per model-axis group
     plan_layers: list[SplitLayer] = list(done)
     for layer in layers:
         roles = {_role(layer, kv): kv for kv in tp_compat.own_variables(layer)}
@@ -101,24 +114,30 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
             axis = axes[role]
             if axis is None:
                 continue
-            shards[role] = _make_shards(strategy, layer, kv, axis, grid)
+            shards[role] = _make_shards(strategy, layer, kv, axis, group_of(layer)[0])
         plan_layers.append(SplitLayer(layer.name, kind, shards, dict(roles)))
         _split_layers[layer] = plan_layers[-1]
         _keep_logical_saving(layer, logical_order)
-        split_layer_call(layer, kind, shards, devices_for_replica, kernel_axis=axes.get("kernel"))
+        split_layer_call(layer, kind, shards, group_of(layer)[1], kernel_axis=axes.get("kernel"))
     for layer in everything:
         if isinstance(layer, _PER_FEATURE) and parts > 1 and layer not in _passing and _channels_last(layer):
             _passing.add(layer)
-            pass_shards_through(layer, devices_for_replica)
+            pass_shards_through(layer, group_of(layer)[1])
     split_kinds = {id(layer): _split_layers[layer] for layer in everything if layer in _split_layers}
     for layer in everything:
         if isinstance(layer, keras.layers.MultiHeadAttention) and parts > 1 and layer not in _attention_split:
             query, key, value, _ = tp_compat.attention_projections(layer)
             if all(_splits_heads(split_kinds.get(id(p))) for p in (query, key, value)):
                 _attention_split.add(layer)
-                split_attention(layer, devices_for_replica)
+                split_attention(layer, group_of(layer)[1])
                 fuse_projections([(p, split_kinds[id(p)].shards) for p in (query, key, value)])
     return ShardPlan(model.name, [list(r) for r in grid], plan_layers, *_bytes(model, grid))
+
+
+def places_itself(layer) -> bool:
+    """True for a layer whose split forward (or per-feature pass-through) places every op itself: wrapping its
+    tensors (a pipeline stage's custom gradient) would hide its output's shards from the next split layer."""
+    return layer in _split_layers or layer in _passing
 
 
 def _channels_last(layer) -> bool:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import keras
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist._compat import keras_model, keras_optimizer
+from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError, check_seconds
+from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
+from tfdist.placement.pipeline import check_batch
+from tfdist.placement.plan import BALANCE_BY
+from tfdist.placement.streams import StageStreams
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
+from tfdist.placement.tensor_parallel_stages import StagedShardPlan, shard_stages
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel_procs import process_rows, start_processes
 
@@ -36,9 +42,23 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     on its first step, or by `strategy.shard(model)`; build and compile the model inside `scope()`. Like
     `tfdist.MirroredStrategy`, it keeps one input iterator per distributed dataset (`reuse_input_iterators`).
 
+    Data x tensor x pipeline: a rank-3 mesh `DeviceMesh((B, S, T), ("batch", "stage", "model"))` also splits
+    the model by layers into S pipeline stages, as `tfdist.LayerPlacementStrategy` does (same `placement`,
+    `balance`, `micro_batches`). Stage s of row r runs on that row's model-axis group `devices[r, s, :]`:
+    split layers shard over the group, replicated layers run on its first device, variables and optimizer
+    slots live there, activations cross stages once per boundary.
+
     Args:
         layout_map: a `tfdist.LayoutMap` (or `keras.distribution.LayoutMap`) over a `tfdist.DeviceMesh`.
         batch_dim_name: the mesh axis along which data is split ("batch"); a mesh without it is one row.
+        stage_dim_name: on a rank-3 mesh, the axis of pipeline stages ("stage"); the third axis splits variables.
+        placement: rank-3 meshes only. "auto" (default there: contiguous stages balanced by `balance`), a list
+            of S-1 layer names where stages 2..S start, {layer_name: stage} or {stage: [layer names]}, over the
+            model's top-level layers (see `LayerPlacementStrategy`).
+        balance: what "auto" balances: "params" or "flops" (estimated); counted for the whole (unsplit) layers.
+        micro_batches: GPipe micro-batches per step (rank-3 meshes; must divide the per-replica batch).
+        stage_streams: one op stream per stage device (see `LayerPlacementStrategy`); None: on when
+            micro_batches > 1.
         timeout_s: across processes only: seconds to wait for the other processes at start-up and in any one
             collective.
 
@@ -65,20 +85,62 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         ...     model.compile(optimizer="adam", loss="mse")
         >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
         >>> print(strategy.shard_plan(model))          # which device holds which slice
+
+    Data x tensor x pipeline on 8 devices (2 rows x 2 stages x 2 devices per stage; `virtual_cpus(8)` first):
+        >>> mesh = tfdist.DeviceMesh((2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
+        >>> layout_map = tfdist.LayoutMap(mesh)
+        >>> layout_map[".*up.*/kernel"] = (None, "model")
+        >>> layout_map[".*up.*/bias"] = ("model",)
+        >>> layout_map[".*down.*/kernel"] = ("model", None)
+        >>> strategy = tfdist.ModelParallelStrategy(layout_map, placement=["up2"], micro_batches=2)
+        >>> with strategy.scope():           # stage 0: up1, down1 on CPU:0-1 (row 0); stage 1: up2, down2, head
+        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="up1"),
+        ...                               keras.layers.Dense(8, name="down1"),
+        ...                               keras.layers.Dense(16, activation="relu", name="up2"),
+        ...                               keras.layers.Dense(8, name="down2"), keras.layers.Dense(4, name="head")])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
+        >>> print(strategy.placement_plan(model))      # layer -> stage, split layers, bytes per device, groups
     """
 
-    def __init__(self, layout_map, batch_dim_name: str = "batch", timeout_s: float = 60.0):
+    def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
+                 placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
+                 timeout_s: float = 60.0):
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
         if not isinstance(batch_dim_name, str):
             raise ConfigError(f"batch_dim_name must be a mesh axis name (str), got {batch_dim_name!r}.")
-        if len(mesh.shape) == 2 and batch_dim_name not in mesh.axis_names:
+        if len(mesh.shape) >= 2 and batch_dim_name not in mesh.axis_names:
             raise ConfigError(f"batch_dim_name={batch_dim_name!r} is not an axis of the mesh {mesh.axis_names}; "
                               "name its data-parallel axis.")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}.")
+        if balance not in BALANCE_BY or balance == "time":
+            # "time" times each layer alone, with its variables read outside any replica: not possible once the
+            # strategy's scope has created them (LayerPlacementStrategy measures before moving them).
+            raise ConfigError(f"balance must be 'params' or 'flops' for ModelParallelStrategy stages, got "
+                              f"{balance!r}; to balance measured times, place the stages by hand (placement=[...]).")
         self._batch_axis = batch_dim_name
-        others = [a for a in mesh.axis_names if a != batch_dim_name]
+        self._stage_axis = stage_dim_name
+        self._groups: list[list[list[str]]] | None = None  # devices[row][stage][k] on a rank-3 mesh
+        if len(mesh.shape) == 3:
+            self._groups = mesh.stage_groups(batch_dim_name, stage_dim_name)
+            self._placement = "auto" if placement is None else placement
+            if isinstance(self._placement, str) and self._placement != "auto":
+                raise ConfigError(f"placement must be 'auto', a list of split layer names, or a dict; got "
+                                  f"{placement!r}.")
+        elif placement is not None or micro_batches != 1:
+            raise ConfigError(f"placement={placement!r} / micro_batches={micro_batches} need pipeline stages, but the "
+                              f"mesh {mesh.axis_names} has no stage axis; use a rank-3 mesh, e.g. DeviceMesh((2, 2, "
+                              f"2), ('batch', {stage_dim_name!r}, 'model'), devices), or leave them out.")
+        self._balance, self._micro_batches = balance, micro_batches
+        use_streams = micro_batches > 1 if stage_streams is None else bool(stage_streams)
+        self._streams = StageStreams() if use_streams and self._groups is not None else None
+        self._staged: dict[int, tuple[weakref.ref, StagedShardPlan]] = {}
+        others = [a for a in mesh.axis_names if a not in (batch_dim_name, stage_dim_name if self._groups else None)]
         self._model_axis = others[0] if others else "model"
         self._grid = mesh.grid(batch_dim_name)
+        self._model_size = mesh.axis_size(self._model_axis) if self._groups else len(self._grid[0])
         self._plans: dict[int, tuple[weakref.ref, ShardPlan]] = {}
         self._models: weakref.WeakSet = weakref.WeakSet()
         self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
@@ -86,6 +148,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
         rows = process_rows(self._grid)
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
+            if self._groups is not None:
+                raise ConfigError(f"a mesh with a {stage_dim_name!r} axis (pipeline stages) across processes is not "
+                                  "supported yet: use a rank-3 mesh of this process's devices, or a (batch, model) "
+                                  "mesh across processes.")
             make_extended, self._server = start_processes(self, rows, self.timeout_s)
             self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
             tf_distribute.init_strategy(self, make_extended)
@@ -94,6 +160,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # one device for all shards); replicated variables' on row 0's first device.
         tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
             self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice()))
+        # (rank 3: a row's first device is its stage-0 group's first device; the same reduction then sums each
+        # variable on row 0's copy of it, i.e. on its own stage group.)
 
     # --- public ---------------------------------------------------------------------------------
     @property
@@ -102,9 +170,21 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     @property
     def mesh_rows(self) -> list[list[str]]:
-        """devices[row][k]: row = data-parallel replica, k = position on the model axis (across processes: this
-        process's rows)."""
+        """devices[row][k]: row = data-parallel replica, k = position on the model axis (on a rank-3 mesh: the
+        row's stage x model devices, stage-major; see `stage_groups`; across processes: this process's rows)."""
         return [list(row) for row in self._grid]
+
+    @property
+    def stage_groups(self) -> list[list[list[str]]] | None:
+        """devices[row][stage][k] on a rank-3 mesh (each [row][stage] is one tensor-parallel group), else None."""
+        return None if self._groups is None else [[list(g) for g in row] for row in self._groups]
+
+    def placement_plan(self, model: keras.Model) -> StagedShardPlan:
+        """Rank-3 meshes: the model's stages (layer -> stage/home device) and its split, placing it if needed."""
+        if self._groups is None:
+            raise ConfigError("placement_plan needs pipeline stages: a rank-3 mesh (batch, stage, model).")
+        self.shard(model)
+        return self._staged[id(model)][1]
 
     def shard(self, model: keras.Model) -> ShardPlan:
         """Splits a model built inside `scope()` by the layout map (idempotent) and returns the plan."""
@@ -116,13 +196,21 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
                               f"got {model!r}.")
         optimizer = getattr(model, "optimizer", None)
         # An optimizer built on the logical variables: its slots would be full-size, its index would miss the shards.
-        if (optimizer is not None and getattr(optimizer, "built", False) and len(self._grid[0]) > 1
+        if (optimizer is not None and getattr(optimizer, "built", False) and self._model_size > 1
                 and len(self._layout_map) and _knows_any(optimizer, model.trainable_variables)):
             raise ConfigError("the model's optimizer was built before the model was split; build it inside "
                               "strategy.scope() (fit does), or call strategy.shard(model) first.")
         with tf.init_scope(), self.scope():
-            plan = shard_model(self, model, self._layout_map, self._grid, self._model_axis, self._batch_axis,
-                               self._row_devices)
+            if self._groups is not None:
+                staged = shard_stages(self, model, self._layout_map, self._groups, self._replica,
+                                      model_axis=self._model_axis, batch_axis=self._batch_axis,
+                                      stage_axis=self._stage_axis, placement=self._placement, balance=self._balance,
+                                      micro_batches=self._micro_batches, streams=self._streams)
+                self._staged[id(model)] = (weakref.ref(model), staged)
+                plan = staged.shards
+            else:
+                plan = shard_model(self, model, self._layout_map, self._grid, self._model_axis, self._batch_axis,
+                                   self._row_devices)
         self._plans[id(model)] = (weakref.ref(model), plan)
         return plan
 
@@ -132,7 +220,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def memory_report(self, model: keras.Model) -> SplitMemoryReport:
         """Bytes each mesh device holds for `model` (weights, gradients, optimizer state), read from the devices
-        its variables live on, next to a replicated device's (splits the model if needed).
+        its variables live on, next to a replicated device's (splits the model if needed). With stages, a row's
+        S x T devices share the model: `model_axis_size` is then S x T.
 
         Example:
             >>> report = strategy.memory_report(model)       # after fit: optimizer slots included
@@ -141,7 +230,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             >>> print(report)                                # one row per device, MiB
         """
         self.shard(model)
-        return split_memory_report(model, self.mesh_rows)
+        report = split_memory_report(model, self.mesh_rows)
+        if self._groups is not None:  # a row's devices are S stages x T: the ideal share is 1/(S*T)
+            report.mesh_shape = self._layout_map.device_mesh.shape
+        return report
 
     # --- tf.distribute hooks ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -156,9 +248,37 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         model = keras_model.model_of_step(fn)
         if model is not None and model.built:
             self.shard(model)
+        if self._groups is not None:
+            fn = self._in_pipeline(fn)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        if self._groups is not None:
+            check_batch(tf_runtime.dataset_batch_size(dataset), len(self._groups), self._micro_batches)
+        return super().experimental_distribute_dataset(dataset, options)
+
     # --- internals --------------------------------------------------------------------------------
+    def _replica(self) -> int:
+        """The calling replica's row (0 outside a replica context)."""
+        if len(self._grid) == 1:
+            return 0
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return 0
+        value = tf.get_static_value(ctx.replica_id_in_sync_group)
+        return int(value) if value is not None else 0
+
+    def _in_pipeline(self, fn):
+        def replica_fn(*args, **kwargs):
+            if not tf.inside_function():
+                return fn(*args, **kwargs)
+            # Ops built outside any layer (loss, metrics, backward sums) follow their inputs instead of
+            # defaulting to the row's first device (as in LayerPlacementStrategy).
+            with tf.compat.v1.device(colocate_with_inputs(self._groups[self._replica()][0][0])):
+                return fn(*args, **kwargs)
+
+        return functools.wraps(fn)(replica_fn)
+
     def _row_devices(self) -> list[str]:
         if len(self._grid) == 1:
             return self._grid[0]
