@@ -33,11 +33,48 @@ from tfdist.placement.layer_call import place_layer_call
 from tfdist.placement.layout_map import LayoutMap
 from tfdist.placement.migrate import move_model_variables
 from tfdist.placement.pipeline import pipeline_model_call
-from tfdist.placement.plan import StagePlan, describe_model, make_plan
+from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 from tfdist.placement.streams import StageStreams
 from tfdist.placement.tensor_parallel_shard import ShardPlan, places_itself, shard_model
 
-__all__ = ["StagedShardPlan", "check_stage_placement", "shard_stages"]
+__all__ = ["StageOptions", "StagedShardPlan", "check_stage_placement", "shard_stages"]
+
+
+@dataclasses.dataclass
+class StageOptions:
+    """ModelParallelStrategy's pipeline options, checked: `groups` is devices[row][stage][k] on a rank-3 mesh and
+    None on a rank-2 one (then `placement` is None, `micro_batches` 1 and `streams` None)."""
+
+    stage_axis: str
+    groups: list[list[list[str]]] | None
+    placement: object
+    balance: str
+    micro_batches: int
+    streams: StageStreams | None
+
+    @classmethod
+    def check(cls, mesh, batch_dim_name: str, stage_dim_name: str, placement, balance: str, micro_batches: int,
+              stage_streams: bool | None) -> StageOptions:
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}.")
+        if balance not in BALANCE_BY or balance == "time":
+            # "time" times each layer alone, with its variables read outside any replica: not possible once the
+            # strategy's scope has created them (LayerPlacementStrategy measures before moving them).
+            raise ConfigError(f"balance must be 'params' or 'flops' for ModelParallelStrategy stages, got "
+                              f"{balance!r}; to balance measured times, place the stages by hand (placement=[...]).")
+        if len(mesh.shape) != 3:
+            if placement is not None or micro_batches != 1:
+                raise ConfigError(
+                    f"placement={placement!r} / micro_batches={micro_batches} need pipeline stages, but the mesh "
+                    f"{mesh.axis_names} has no stage axis; use a rank-3 mesh, e.g. DeviceMesh((2, 2, 2), ('batch', "
+                    f"{stage_dim_name!r}, 'model'), devices), or leave them out.")
+            return cls(stage_dim_name, None, None, balance, 1, None)
+        placement = "auto" if placement is None else placement
+        if isinstance(placement, str) and placement != "auto":
+            raise ConfigError(f"placement must be 'auto', a list of split layer names, or a dict; got {placement!r}.")
+        use_streams = micro_batches > 1 if stage_streams is None else bool(stage_streams)
+        return cls(stage_dim_name, mesh.stage_groups(batch_dim_name, stage_dim_name), placement, balance,
+                   micro_batches, StageStreams() if use_streams else None)
 
 
 @dataclasses.dataclass

@@ -15,11 +15,9 @@ from tfdist.errors import ConfigError, check_seconds
 from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.pipeline import check_batch
-from tfdist.placement.plan import BALANCE_BY
-from tfdist.placement.streams import StageStreams
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
-from tfdist.placement.tensor_parallel_stages import StagedShardPlan, shard_stages
+from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel_procs import process_rows, start_processes
 
@@ -113,29 +111,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         if len(mesh.shape) >= 2 and batch_dim_name not in mesh.axis_names:
             raise ConfigError(f"batch_dim_name={batch_dim_name!r} is not an axis of the mesh {mesh.axis_names}; "
                               "name its data-parallel axis.")
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ConfigError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}.")
-        if balance not in BALANCE_BY or balance == "time":
-            # "time" times each layer alone, with its variables read outside any replica: not possible once the
-            # strategy's scope has created them (LayerPlacementStrategy measures before moving them).
-            raise ConfigError(f"balance must be 'params' or 'flops' for ModelParallelStrategy stages, got "
-                              f"{balance!r}; to balance measured times, place the stages by hand (placement=[...]).")
         self._batch_axis = batch_dim_name
-        self._stage_axis = stage_dim_name
-        self._groups: list[list[list[str]]] | None = None  # devices[row][stage][k] on a rank-3 mesh
-        if len(mesh.shape) == 3:
-            self._groups = mesh.stage_groups(batch_dim_name, stage_dim_name)
-            self._placement = "auto" if placement is None else placement
-            if isinstance(self._placement, str) and self._placement != "auto":
-                raise ConfigError(f"placement must be 'auto', a list of split layer names, or a dict; got "
-                                  f"{placement!r}.")
-        elif placement is not None or micro_batches != 1:
-            raise ConfigError(f"placement={placement!r} / micro_batches={micro_batches} need pipeline stages, but the "
-                              f"mesh {mesh.axis_names} has no stage axis; use a rank-3 mesh, e.g. DeviceMesh((2, 2, "
-                              f"2), ('batch', {stage_dim_name!r}, 'model'), devices), or leave them out.")
-        self._balance, self._micro_batches = balance, micro_batches
-        use_streams = micro_batches > 1 if stage_streams is None else bool(stage_streams)
-        self._streams = StageStreams() if use_streams and self._groups is not None else None
+        self._stages = StageOptions.check(mesh, batch_dim_name, stage_dim_name, placement, balance, micro_batches,
+                                          stage_streams)
+        self._groups = self._stages.groups  # devices[row][stage][k] on a rank-3 mesh, else None
         self._staged: dict[int, tuple[weakref.ref, StagedShardPlan]] = {}
         others = [a for a in mesh.axis_names if a not in (batch_dim_name, stage_dim_name if self._groups else None)]
         self._model_axis = others[0] if others else "model"
@@ -202,10 +181,12 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
                               "strategy.scope() (fit does), or call strategy.shard(model) first.")
         with tf.init_scope(), self.scope():
             if self._groups is not None:
+                options = self._stages
                 staged = shard_stages(self, model, self._layout_map, self._groups, self._replica,
                                       model_axis=self._model_axis, batch_axis=self._batch_axis,
-                                      stage_axis=self._stage_axis, placement=self._placement, balance=self._balance,
-                                      micro_batches=self._micro_batches, streams=self._streams)
+                                      stage_axis=options.stage_axis, placement=options.placement,
+                                      balance=options.balance, micro_batches=options.micro_batches,
+                                      streams=options.streams)
                 self._staged[id(model)] = (weakref.ref(model), staged)
                 plan = staged.shards
             else:
@@ -254,19 +235,19 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if self._groups is not None:
-            check_batch(tf_runtime.dataset_batch_size(dataset), len(self._groups), self._micro_batches)
+            check_batch(tf_runtime.dataset_batch_size(dataset), len(self._groups), self._stages.micro_batches)
         return super().experimental_distribute_dataset(dataset, options)
 
     # --- internals --------------------------------------------------------------------------------
     def _replica(self) -> int:
-        """The calling replica's row (0 outside a replica context)."""
+        """The calling replica's row among this process's rows (0 outside a replica context)."""
         if len(self._grid) == 1:
             return 0
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return 0
-        value = tf.get_static_value(ctx.replica_id_in_sync_group)
-        return int(value) if value is not None else 0
+        value = tf.get_static_value(ctx.replica_id_in_sync_group)  # global: rows of earlier processes first
+        return int(value) - self._first_row if value is not None else 0
 
     def _in_pipeline(self, fn):
         def replica_fn(*args, **kwargs):
@@ -280,13 +261,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         return functools.wraps(fn)(replica_fn)
 
     def _row_devices(self) -> list[str]:
-        if len(self._grid) == 1:
-            return self._grid[0]
-        ctx = tf.distribute.get_replica_context()
-        if ctx is None or ctx.num_replicas_in_sync == 1:
-            return self._grid[0]
-        value = tf.get_static_value(ctx.replica_id_in_sync_group)  # global: rows of earlier processes first
-        return self._grid[int(value) - self._first_row if value is not None else 0]
+        return self._grid[self._replica()]
 
     def _on_optimizer_build(self, optimizer, variables) -> None:
         if keras_optimizer.optimizer_strategy(optimizer) is not self:
