@@ -1,8 +1,9 @@
 """TensorFlow's custom-training-loop tutorial, unchanged, on one strategy, with a checkpoint round trip
 through Keras `fit`. Used by tests/test_custom_loop_checkpoint.py.
 
-Usage: python ctl_job.py KIND OUT_DIR   (in-process kinds: stock, tfdist, zero1, zero2, placement; under
-`tfdist launch -n 2 [--backend horovod]`: multiworker, multiworker-zero2, horovod, horovod-zero2, horovod-zero3)
+Usage: python ctl_job.py KIND OUT_DIR   (in-process kinds: stock, tfdist, zero1, zero2, zero3, placement,
+tensor-parallel; under `tfdist launch -n 2 [--backend horovod]` or `mpirun -np 2`: multiworker,
+multiworker-zero2, horovod, horovod-zero2, horovod-zero3)
 
 Three epochs of the same 4 global batches of 32, each epoch on a fresh model restored from the previous one's
 `tf.train.Checkpoint` (the tutorial's loop, then `compile` + `fit`, then the loop again), so the result equals
@@ -31,12 +32,25 @@ import numpy as np
 import tensorflow as tf
 
 devices = ["/cpu:0", "/cpu:1"]
+
+
+def _layout():
+    """Column-parallel `up`, row-parallel `down` over a one-row mesh of the two devices."""
+    layout_map = tfdist.LayoutMap(tfdist.DeviceMesh((1, 2), ("batch", "model"), devices))
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    return layout_map
+
+
 if base not in ("multiworker", "horovod"):
     strategy = {"stock": lambda: tf.distribute.MirroredStrategy(devices),
                 "tfdist": lambda: tfdist.MirroredStrategy(devices=devices),
                 "zero1": lambda: tfdist.MirroredStrategy(devices=devices, zero_stage=1),
                 "zero2": lambda: tfdist.MirroredStrategy(devices=devices, zero_stage=2),
-                "placement": lambda: tfdist.LayerPlacementStrategy(devices)}[kind]()
+                "zero3": lambda: tfdist.MirroredStrategy(devices=devices, zero_stage=3),
+                "placement": lambda: tfdist.LayerPlacementStrategy(devices),
+                "tensor-parallel": lambda: tfdist.ModelParallelStrategy(_layout())}[kind]()
 chief = tfdist.cluster.is_chief(strategy) if base in ("multiworker", "horovod") else True
 
 GLOBAL_BATCH = 32
@@ -51,8 +65,8 @@ loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction
 def new_model(seed: int):
     keras.utils.set_random_seed(seed)  # a fresh model: only a restore can give it the trained state
     with strategy.scope():
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(3)])
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="up"),
+                                  keras.layers.Dense(3, name="down")])
         optimizer = keras.optimizers.Adam(1e-2)
         if kind == "stock":  # stock MirroredStrategy cannot build it lazily (keras#19246)
             optimizer.build(model.trainable_variables)
@@ -109,10 +123,12 @@ second = save(model, optimizer, "fit-2")
 model, optimizer = new_model(2)  # 3. the custom loop again, from fit's checkpoint
 restore(model, optimizer, second)
 result["losses"] += ctl_epoch(model, optimizer)
-result["weights"] = [w.tolist() for w in model.get_weights()]
+# Logical weights, read through the layers (under tensor parallelism get_weights lists the shards).
+result["weights"] = [np.asarray(w).tolist() for layer in model.layers for w in (layer.kernel, layer.bias)]
 result["iterations"] = int(optimizer.iterations.numpy())
 with tfdist.sharding.gathered_state(optimizer):  # every process reads (multi-process ZeRO: gathers once)
-    result["slots"] = [np.asarray(v).tolist() for v in optimizer.variables if np.ndim(v) > 0]
+    slots = [np.asarray(v).tolist() for v in optimizer.variables if np.ndim(v) > 0]
+result["slots"] = None if kind == "tensor-parallel" else slots  # per shard there: compared through the weights
 
 if kind == "stock":  # the reference: three uninterrupted epochs of the loop
     model, optimizer = new_model(0)

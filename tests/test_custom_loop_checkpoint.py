@@ -50,6 +50,8 @@ def _assert_like_stock(got: dict, stock: dict) -> None:
     assert got["fit_loss"] == pytest.approx(stock["fit_loss"], rel=1e-5)
     for a, b in zip(got["weights"], stock["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    if got["slots"] is None:  # tensor parallelism: slots per shard; the weights above already depend on them
+        return
     # Adam's moments survived both trips (full logical state, as plain Keras keeps it)
     assert len(got["slots"]) == len(stock["slots"])
     for a, b in zip(got["slots"], stock["slots"]):
@@ -64,7 +66,7 @@ def test_stock_round_trip_through_fit_equals_three_uninterrupted_epochs(stock):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["tfdist", "zero1", "zero2", "placement"])
+@pytest.mark.parametrize("kind", ["tfdist", "zero1", "zero2", "zero3", "placement", "tensor-parallel"])
 def test_custom_loop_in_one_process(kind, stock, tmp_path):
     _assert_like_stock(_in_process(kind, tmp_path), stock)
 
