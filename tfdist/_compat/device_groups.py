@@ -37,6 +37,10 @@ class RowsExtended(MultiProcessExtended, PlacementExtended):
     def _use_merge_call(self) -> bool:
         return True
 
+    def launcher_for(self, device: str):
+        """The collective launcher of `device`'s group (that device position in every process)."""
+        return self._cross_device_ops.launcher_for(device)
+
 
 def device_launchers(strategy, devices: Sequence[str], group_size: int, timeout_s: float) -> list:
     """One CollectiveReplicaLauncher per device of `devices` (this process's, in an order every process shares):

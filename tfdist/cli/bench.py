@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # Benchmark modules under tfdist.bench; each has NAME, HELP, add_arguments(parser) and run(args).
-BENCHMARKS = ["overhead", "allreduce", "scaling", "zero", "pipeline", "straggler", "epoch_boundary", "ddp", "network_scaling", "tensor_parallel", "zero_capacity"]
+BENCHMARKS = ["overhead", "allreduce", "scaling", "zero", "pipeline", "straggler", "epoch_boundary", "ddp", "network_scaling", "tensor_parallel", "zero_capacity", "tensor_parallel_zero"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

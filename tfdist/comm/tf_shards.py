@@ -41,16 +41,31 @@ class TFShardCollectives(ShardCollectives):
         ([1], 2)
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, timeout_s: float | None = None):
-        self._launchers = tf_distribute.collective_launchers(strategy)
+    def __init__(self, strategy: tf.distribute.Strategy | None, timeout_s: float | None = None, *,
+                 launchers: Sequence | None = None, shard_ids: Sequence[int] = (), num_shards: int = 0):
+        if launchers is None:  # the strategy's replicas: one launcher each, in a group of all of them
+            launchers = tf_distribute.collective_launchers(strategy)
+            first = tf_distribute.first_global_replica_id(strategy)
+            shard_ids, num_shards = [first + i for i in range(len(launchers))], strategy.num_replicas_in_sync
+        self._launchers = list(launchers)
         self.devices = [tf_distribute.launcher_device(lc) for lc in self._launchers]
-        first = tf_distribute.first_global_replica_id(strategy)
-        self.shard_ids = [first + i for i in range(len(self.devices))]
-        self.num_shards = int(strategy.num_replicas_in_sync)
+        self.shard_ids = list(shard_ids)
+        self.num_shards = int(num_shards)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one eager collective launch at a time (no interleaving)
         self._pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="tfdist-zero-comm") \
             if len(self.devices) > 1 else None
+
+    @classmethod
+    def over_launchers(cls, launchers: Sequence, shard_ids: Sequence[int], num_shards: int,
+                       timeout_s: float | None = None) -> "TFShardCollectives":
+        """The same collectives over given launchers, one per local shard owner (e.g. ModelParallelStrategy's
+        per-device-position groups across processes: one owner per process, shard = process rank).
+
+        Example:
+            >>> comm = TFShardCollectives.over_launchers([launcher], shard_ids=[rank], num_shards=2)
+        """
+        return cls(None, timeout_s, launchers=launchers, shard_ids=shard_ids, num_shards=num_shards)
 
     # -- ShardCollectives ----------------------------------------------------------------------
     def reduce_scatter(self, chunks: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:

@@ -45,6 +45,8 @@ class SplitMemoryReport:
     rows: list[DeviceMemory] = field(default_factory=list)
     replicated: DeviceMemory = field(default_factory=lambda: DeviceMemory("replicated"))
     optimizer_built: bool = False
+    #: ZeRO over the batch axis: 1 cuts each device's optimizer state into one piece per row, 2 its gradients too
+    zero_stage: int = 0
 
     def largest(self, what: str = "total") -> int:
         return max(getattr(r, what) for r in self.rows)
@@ -71,6 +73,11 @@ class SplitMemoryReport:
             lines.append(f"{r.device:36s} {mb(r.params)} {mb(r.gradients)} {mb(r.optimizer_state)} {mb(r.total)}")
         lines.append(f"largest device / replicated: {self.ratio():.4f} (ideal 1/T = {1 / t:.4f}; replicated layers "
                      "and scalars sit on each row's first device)")
+        if self.zero_stage:
+            rows = len(self.rows) // t  # mesh rows (the batch axis)
+            lines.append(f"ZeRO stage {self.zero_stage} over the batch axis: each device holds 1/{rows} of its "
+                         "variables' optimizer state" + (" and summed gradients" if self.zero_stage == 2 else "")
+                         + f" (ideal optimizer state ratio 1/(T x {rows}) = {1 / (t * rows):.4f})")
         return "\n".join(lines)
 
 
@@ -88,9 +95,14 @@ def _placed(variable) -> list:
     return [value]
 
 
-def split_memory_report(model, grid: list[list[str]]) -> SplitMemoryReport:
+def split_memory_report(model, grid: list[list[str]], sharded_state: tuple[list, list] | None = None,
+                        kept_gradients: dict[str, int] | None = None) -> SplitMemoryReport:
     """Per-device bytes of a model whose variables a LayoutMap split over the devices of `grid` (rows: the
     "batch" axis, columns: the "model" axis), read from the devices each variable's copies live on.
+
+    With ZeRO over the batch axis, `sharded_state` is (the optimizer's logical slot views, the shard variables
+    that hold them): the views count whole in `replicated` only, the shard variables on their devices; and
+    `kept_gradients` (stage 2) the bytes of summed gradient each device keeps, in place of full gradients.
 
     Example:
         >>> report = split_memory_report(model, [["/device:CPU:0", "/device:CPU:1"]])   # a split Transformer block
@@ -115,12 +127,29 @@ def split_memory_report(model, grid: list[list[str]]) -> SplitMemoryReport:
         add(v, "params")
     for v in model.trainable_weights:
         add(v, "gradients")
+    if kept_gradients is not None:
+        for row in rows.values():
+            row.gradients = 0
+        for device, nbytes in kept_gradients.items():
+            row = rows.get(_device_key(device))
+            if row is not None:
+                row.gradients += nbytes
     optimizer = getattr(model, "optimizer", None)
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     built = bool(optimizer is not None and optimizer.built)
+    logical, shards = sharded_state if sharded_state is not None else ([], [])
+    views = {id(v) for v in logical}
     if built:
         for v in optimizer.variables:
-            add(v, "optimizer_state")
+            if id(v) in views:  # held by the shard variables below; whole in a replicated device
+                replicated.optimizer_state += _nbytes(v)
+            else:
+                add(v, "optimizer_state")
+        for v in shards:
+            for part in _placed(v):
+                row = rows.get(_device_key(part.device))
+                if row is not None:
+                    row.optimizer_state += _nbytes(part)
     num_params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in model.weights)
     return SplitMemoryReport(mesh_shape=(len(grid), len(grid[0])), model_axis_size=len(grid[0]),
                              num_params=num_params, rows=list(rows.values()), replicated=replicated,

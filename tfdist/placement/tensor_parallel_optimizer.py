@@ -29,8 +29,8 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
     variable's shards are written as one slot of the logical shape (concatenated like the variable), in Keras'
     order; loading splits them again. So optimizer state, too, moves between mesh shapes and plain Keras.
 
-    `plans()` gives the current shard plans, `slot_reference(tf_variable)` the variable a slot was created next
-    to (None for other optimizer variables)."""
+    `plans()` gives the current shard plans, `slot_reference(optimizer_variable)` the tf variable a slot was
+    created next to (None for other optimizer variables; under ZeRO the slots are logical views of sharded state)."""
 
     def logical_entries(self) -> list[tuple]:
         """[(None, variable)] for plain variables, [(axis, [slot per shard])] for slots of split variables."""
@@ -44,7 +44,7 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
                         owner[id(shard.value)] = (id(split.logical[role]), k, axis, len(shards))
         entries, groups, seen = [], {}, {}
         for variable in self.variables:
-            reference = slot_reference(variable.value)
+            reference = slot_reference(variable)
             found = owner.get(id(reference)) if reference is not None else None
             if found is None:
                 entries.append((None, variable))

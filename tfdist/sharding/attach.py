@@ -25,7 +25,7 @@ from tfdist.sharding.zero import ZeroEngine, tf_variable
 from tfdist.sharding.zero3 import enable_stage3
 
 __all__ = ["building_optimizers", "configure_stage3", "cross_process_engine",
-           "engine_of", "gathered_state", "register_strategy"]
+           "engine_of", "gathered_state", "register_engine", "register_strategy"]
 
 _strategies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # strategy -> ZeroConfig | None
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> ZeroEngine
@@ -39,6 +39,12 @@ def register_strategy(strategy: tf.distribute.Strategy, config: ZeroConfig | Non
     outside its scope.
     """
     _strategies[strategy] = config
+
+
+def register_engine(optimizer, engine) -> None:
+    """Records `engine` as the holder of `optimizer`'s sharded state, for a strategy that builds its engine
+    itself (ModelParallelStrategy's `GroupedZeroEngine`); `engine_of(optimizer)` then finds it."""
+    _engines[optimizer] = engine
 
 
 def configure_stage3(strategy: tf.distribute.Strategy, *, unit_bytes: int | None = None,
@@ -73,7 +79,8 @@ def configure_stage3(strategy: tf.distribute.Strategy, *, unit_bytes: int | None
 
 
 def engine_of(optimizer_or_model) -> ZeroEngine | None:
-    """The ZeRO engine that holds an optimizer's sharded state, or None for an unsharded optimizer.
+    """The ZeRO engine that holds an optimizer's sharded state, or None for an unsharded optimizer
+    (under `ModelParallelStrategy(zero_stage=...)` a `GroupedZeroEngine`: one ZeroEngine per device group).
 
     Accepts an optimizer, a `LossScaleOptimizer` (its inner optimizer is the one sharded) or a
     model (its optimizer).
@@ -94,7 +101,10 @@ def engine_of(optimizer_or_model) -> ZeroEngine | None:
 def cross_process_engine(optimizer_or_model) -> ZeroEngine | None:
     """The ZeRO engine of a model's optimizer when some of its shards live in other processes, else None."""
     engine = engine_of(optimizer_or_model)
-    return engine if engine is not None and not engine.comm.all_local else None
+    if engine is None:
+        return None
+    local = engine.comm.all_local if isinstance(engine, ZeroEngine) else engine.all_local  # GroupedZeroEngine
+    return None if local else engine
 
 
 @contextlib.contextmanager

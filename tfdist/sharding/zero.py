@@ -42,9 +42,11 @@ class ZeroEngine:
     overwrites it (`ema_overwrite_frequency`, and at the end of `fit`).
     """
 
-    def __init__(self, optimizer, variables: list, config: ZeroConfig):
+    def __init__(self, optimizer, variables: list, config: ZeroConfig, *, attach: bool = True,
+                 shards_name: str = "shards"):
         # Weak: the optimizer holds the engine (through its slots and methods), not the reverse.
         self._optimizer = weakref.ref(optimizer)
+        self._shards_name = shards_name  # the shard optimizer is "<optimizer name>_<shards_name>"
         self.config = config
         self.stage, self.comm = config.stage, config.collectives
         self._check(optimizer, variables)
@@ -60,6 +62,12 @@ class ZeroEngine:
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
+        self.clips_global_norm = True  # False: a GroupedZeroEngine clips by the norm over all its engines
+        if attach:  # False: an engine for some of the optimizer's variables, driven by a GroupedZeroEngine
+            self._attach(optimizer)
+
+    def _attach(self, optimizer) -> None:
+        """Makes `optimizer` keep its slots in this engine and send its gradients here."""
         engine = self
 
         def add_slot(opt, reference_variable, name=None, initializer="zeros"):
@@ -125,7 +133,7 @@ class ZeroEngine:
         # optimizer never runs (the engine calls its update_step), so its config can stay the user's;
         # with use_ema / gradient_accumulation_steps its build makes the "average" /
         # "gradient_accumulator" shards the engine keeps those in.
-        cfg["name"] = f"{self.optimizer.name}_shards"
+        cfg["name"] = f"{self.optimizer.name}_{self._shards_name}"
 
         def build():
             inner = cls.from_config(cfg)
@@ -200,6 +208,12 @@ class ZeroEngine:
         return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
 
     def _step(self, strategy, grads, learning_rate) -> None:
+        self._apply_shards(*self.reduce_gradients(strategy, grads, learning_rate))
+
+    def reduce_gradients(self, strategy, grads: list, learning_rate) -> tuple[list, list, list]:
+        """Cross-replica context (`apply`'s merge_call): `grads` (per-replica values, in the order of `variables`)
+        reduced to each local replica's shard; returns (shards, local copies of the parameters, learning rates)
+        for `apply_shards`. Public for a GroupedZeroEngine, which clips by the norm over all its engines between."""
         comm, layout = self.comm, self.layout
         n = len(comm.devices)
         local = strategy.experimental_local_results
@@ -225,6 +239,10 @@ class ZeroEngine:
                     flats.append(tf.concat(parts, 0))
             shards = comm.reduce_scatter_flat(flats)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
+        return shards, params, lrs
+
+    def apply_shards(self, shards: list, params: list, lrs: list) -> None:
+        """Cross-replica context: the update from `reduce_gradients`' results (for a GroupedZeroEngine)."""
         self._apply_shards(shards, params, lrs)
 
     def _apply_shards(self, shards: list, params: list, lrs: list) -> None:
@@ -351,6 +369,8 @@ class ZeroEngine:
         clipvalue element-wise on the sum.
         """
         opt, comm, layout = self.optimizer, self.comm, self.layout
+        if opt.global_clipnorm and not self.clips_global_norm:  # done over all engines by a GroupedZeroEngine
+            return shards
         if opt.clipvalue:
             return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
         if opt.global_clipnorm:

@@ -11,6 +11,8 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist.comm.shard_collectives import LocalCollectives
+from tfdist.comm.tf_shards import TFShardCollectives
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
@@ -18,6 +20,9 @@ from tfdist.placement.pipeline import check_batch
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
+from tfdist.sharding import GroupedZeroEngine, engine_of, register_engine
+from tfdist.sharding.config import check_stage
+from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel_procs import process_rows, start_processes
 
@@ -59,6 +64,13 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             micro_batches > 1.
         timeout_s: across processes only: seconds to wait for the other processes at start-up and in any one
             collective.
+        zero_stage: ZeRO over the batch axis (rank-2 or rank-3 mesh; across processes one row each): 0 (default)
+            every row keeps the whole optimizer state of its variables; 1: each trainable variable's optimizer
+            state is cut into R pieces (R rows), piece r on row r's copy of that variable (its shard's device, or
+            the row's first device of its stage for replicated variables); each row updates its piece with the
+            summed gradient and the updated variable is all-gathered to every row; 2: each row also keeps only
+            its piece of the summed gradient. Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as
+            `tfdist.MirroredStrategy`); checkpoints still hold the full logical state.
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
     '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
@@ -99,11 +111,17 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         ...     model.compile(optimizer="adam", loss="mse")
         >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
         >>> print(strategy.placement_plan(model))      # layer -> stage, split layers, bytes per device, groups
+
+    ZeRO over the batch axis (`zero_stage=1` or 2; across processes, one row per process): each row keeps 1/R of every
+    variable's optimizer state, on its own copy of the variable; checkpoints stay logical.
+        >>> strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", zero_stage=1)
+        >>> print(strategy.memory_report(model))       # after fit: optimizer bytes per device 1/R of stage 0's
     """
 
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
                  placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, zero_stage: int = 0):
+        self.zero_stage = check_stage(zero_stage, (0, 1, 2))
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
         if not isinstance(batch_dim_name, str):
@@ -126,6 +144,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
         rows = process_rows(self._grid)
+        if rows is not None and self.zero_stage and len(rows.local_grid) > 1:
+            raise ConfigError(f"zero_stage={self.zero_stage} across processes needs one mesh row per process; each "
+                              f"process holds {len(rows.local_grid)} rows here. Give the mesh as many rows as "
+                              "processes (e.g. DeviceMesh((processes, devices_per_process), ...)), or zero_stage=0.")
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
             if self._groups is not None:
                 raise ConfigError(f"a mesh with a {stage_dim_name!r} axis (pipeline stages) across processes is not "
@@ -211,7 +233,15 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             >>> print(report)                                # one row per device, MiB
         """
         self.shard(model)
-        report = split_memory_report(model, self.mesh_rows)
+        engine = engine_of(model)
+        if isinstance(engine, GroupedZeroEngine):  # ZeRO: the slots are views of per-device pieces
+            optimizer = engine.optimizer
+            logical = [v for v in optimizer.variables if engine.slot_reference(v) is not None]
+            report = split_memory_report(model, self.mesh_rows, (logical, engine.state_variables),
+                                         engine.kept_gradient_bytes if self.zero_stage == 2 else None)
+            report.zero_stage = self.zero_stage
+        else:
+            report = split_memory_report(model, self.mesh_rows)
         if self._groups is not None:  # a row's devices are S stages x T: the ideal share is 1/(S*T)
             report.mesh_shape = self._layout_map.device_mesh.shape
         return report
@@ -285,10 +315,39 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # Also when the model was split before (strategy.shard/shard_plan): its variables are shards already.
         shards = {id(shard) for _, plan in self._plans.values() for split in plan.layers
                   for parts in split.shards.values() for shard in parts}
+        # Before Keras' build creates the slots; a LossScaleOptimizer's inner optimizer is the one sharded.
+        if self.zero_stage and engine_of(optimizer) is None and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer):
+            register_engine(optimizer, GroupedZeroEngine(
+                optimizer, variables, [[c.device for c in self.experimental_local_results(tf_variable(v))]
+                                       for v in variables], self.zero_stage, **self._zero_collectives()))
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
-                                          self.extended.slot_reference)
+                                          functools.partial(self._slot_reference, optimizer))
             self._logical_saving.add(optimizer)
+
+    def _zero_collectives(self) -> dict:
+        """The GroupedZeroEngine's host device and collectives: device copies in one process; across processes
+        (one row each) the group of each device position, whose members are the rows in rank order."""
+        if self.size == 1:
+            return {"collectives": LocalCollectives}
+        host = tf.DeviceSpec.from_string(self._grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
+
+        def collectives(devices: list[str]) -> TFShardCollectives:
+            launchers = [self.extended.launcher_for(d) for d in devices]
+            return TFShardCollectives.over_launchers(launchers, [self._first_row + i for i in range(len(devices))],
+                                                     self.size * len(self._grid), self.timeout_s)
+
+        return {"host_device": host, "collectives": collectives}
+
+    def _slot_reference(self, optimizer, variable):
+        """The tf variable an optimizer variable is a slot of (None for other optimizer variables)."""
+        engine = engine_of(optimizer)
+        if isinstance(engine, GroupedZeroEngine):
+            reference = engine.slot_reference(variable)  # a logical view of ZeRO's pieces
+            if reference is not None:
+                return tf_variable(reference)
+        return self.extended.slot_reference(tf_variable(variable))
 
     def _shards_of(self, variable) -> list | None:
         for ref, plan in self._plans.values():

@@ -1,0 +1,209 @@
+"""GroupedZeroEngine: ZeRO stages 1 and 2 when each variable's replica copies live on their own devices."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+
+import tensorflow as tf
+
+from tfdist._compat import keras_optimizer
+from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
+from tfdist.errors import ConfigError
+from tfdist.sharding.config import ZeroConfig
+from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
+from tfdist.sharding.zero import ZeroEngine, tf_variable
+
+__all__ = ["GroupedZeroEngine"]
+
+
+class GroupedZeroEngine:
+    """ZeRO-1/2 for an optimizer whose variables are mirrored over different device lists, one device per replica.
+
+    Under tensor parallelism a replica (a mesh row) spans several devices: shard k of every split variable has
+    its copy in row r on the row's k-th device, a replicated variable on the row's first device. The flat
+    `ZeroEngine` assumes one device per replica; here the variables are grouped by their device list
+    (`devices[i][r]`: where replica r's copy of variable i lives) and each group is the existing `ZeroEngine`
+    over its own devices: its variables concatenated, cut into R equal pieces, piece r (optimizer state, and
+    at stage 2 the summed gradient) on replica r's copy of them. So the state of a variable never leaves the
+    devices that hold the variable, and each device keeps 1/R of the state of the variables it holds.
+
+    A step: one replica-context pass (Keras' all-reduce when stage 1 needs it, Keras' weight decay), then one
+    merge_call in which every group reduce-scatters (or slices) its gradients, updates its pieces with the
+    optimizer's own `update_step` and all-gathers the updated variables to every replica. The user's optimizer
+    keeps one `LogicalSlot` per (variable, slot) in Keras' order, so checkpoints hold the full logical state.
+
+    Clipping is on the summed gradient, as in `ZeroEngine`: `clipnorm` per variable, `clipvalue` per element,
+    `global_clipnorm` by the norm over every group's pieces (one small all-reduce per group).
+
+    `devices` lists this process's copies; `collectives(group devices)` gives each group its `ShardCollectives`
+    (default `LocalCollectives`: every replica in this process; across processes, collectives whose shards are
+    the global replicas).
+
+    Example:
+        >>> engine = tfdist.sharding.engine_of(model.optimizer)   # ModelParallelStrategy(..., zero_stage=1)
+        >>> [len(devices) for devices in engine.group_devices]     # R devices per group, one group per column
+        [2, 2]
+    """
+
+    def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], stage: int,
+                 host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
+                 collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives):
+        if optimizer.global_clipnorm and optimizer.gradient_accumulation_steps:
+            raise ConfigError(f"global_clipnorm={optimizer.global_clipnorm} with gradient_accumulation_steps="
+                              f"{optimizer.gradient_accumulation_steps} at zero_stage={stage} here is not supported "
+                              "yet (the norm would be taken per micro-step, not on the accumulated gradient). Drop "
+                              "one of them, or use zero_stage=0.")
+        if len(devices) != len(variables):
+            raise ValueError(f"{len(variables)} variables but {len(devices)} device lists")
+        self._optimizer = weakref.ref(optimizer)
+        self.stage = stage
+        self.variables = list(variables)
+        groups: dict[tuple, list[int]] = {}
+        for i, listed in enumerate(devices):
+            groups.setdefault(tuple(listed), []).append(i)
+        if len({len(listed) for listed in groups}) > 1:
+            raise ValueError(f"every variable needs one copy per replica; found device lists {list(groups)}")
+        self.group_devices = [list(listed) for listed in groups]
+        self.group_indices = list(groups.values())
+        self._where = {i: (g, j) for g, indices in enumerate(self.group_indices) for j, i in enumerate(indices)}
+        self.engines = [
+            ZeroEngine(optimizer, [variables[i] for i in indices],
+                       ZeroConfig(stage, False, collectives(list(listed)), host_device),
+                       attach=False, shards_name=f"shards_{g}")
+            for g, (listed, indices) in enumerate(groups.items())]
+        for engine in self.engines:
+            engine.clips_global_norm = False  # global_clipnorm: by the norm over every group (`_clip_global`)
+        self._references: dict[int, tuple] = {}  # id(LogicalSlot) -> (slot, reference variable)
+        self._attach(optimizer)
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    @property
+    def all_local(self) -> bool:
+        """True when every piece lives in this process (reading the state needs no collective)."""
+        return all(engine.comm.all_local for engine in self.engines)
+
+    @property
+    def state(self) -> "GroupedState":
+        """The groups' `SlotShards` together: `gathered()` and `collective_reads()` over all of them."""
+        return GroupedState([engine.state for engine in self.engines])
+
+    @property
+    def state_variables(self) -> list:
+        """The shard optimizers' variables (flat slot pieces, their counters), each a tf.Variable on its device."""
+        return [v for engine in self.engines for v in engine.inner.variables]
+
+    @property
+    def kept_gradient_bytes(self) -> dict[str, int] | None:
+        """Bytes of reduced gradient each device keeps in the traced step (None before it is traced)."""
+        if any(engine.kept_gradient_bytes is None for engine in self.engines):
+            return None
+        kept: dict[str, int] = {}
+        for engine in self.engines:
+            for device, nbytes in zip(engine.comm.devices, engine.kept_gradient_bytes):
+                kept[device] = kept.get(device, 0) + nbytes
+        return kept
+
+    def slot_reference(self, slot):
+        """The variable a `LogicalSlot` of this engine is a slot of, or None for anything else."""
+        entry = self._references.get(id(slot))
+        return entry[1] if entry is not None and entry[0] is slot else None
+
+    def _attach(self, optimizer) -> None:
+        def add_slot(opt, reference_variable, name=None, initializer="zeros"):
+            # By identity in the build list (Keras makes EMA slots before it indexes the variables).
+            position = next((i for i, v in enumerate(self.variables) if v is reference_variable), None)
+            if position is None:
+                raise ConfigError(f"ZeRO: {reference_variable.path} is not one of the variables optimizer "
+                                  f"{opt.name!r} was built with.")
+            group, j = self._where[position]
+            state = self.engines[group].state
+            slot = LogicalSlot(state, j, name or "var", reference_variable, opt.name)
+            state.shards(slot.slot_name)  # fails clearly if the shard optimizer has no such slot
+            keras_optimizer.track_variable(opt, slot)
+            self._references[id(slot)] = (slot, reference_variable)
+            return slot
+
+        keras_optimizer.override_sharded_state(
+            optimizer, add_slot=add_slot, load_own_variables=load_own_variables_strict,
+            apply_gradients=lambda opt, grads, variables: self.apply(list(grads), list(variables)),
+            overwrite_with_average=lambda opt, variables: self.overwrite_with_average())
+
+    # --- one training step -----------------------------------------------------------------
+    def apply(self, grads: list, variables: list) -> None:
+        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or tf.distribute.in_cross_replica_context():
+            raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
+                              "as model.fit does.")
+        opt = self.optimizer
+        by_index = {keras_optimizer.variable_index(opt, v): g for g, v in zip(grads, variables)}
+        missing = [self.variables[i].path for i in range(len(self.variables)) if i not in by_index]
+        if missing:
+            raise ConfigError(f"ZeRO stage {self.stage} needs a gradient for every trainable variable; none for "
+                              f"{missing}. Set trainable=False on them.")
+        grads = [by_index[i] for i in range(len(self.variables))]
+        if not all(engine.reduce_scatters for engine in self.engines):  # stage 1, > 2 replicas: stage 0's sum
+            grads = keras_optimizer.keras_all_reduce_sum(opt, grads, [tf_variable(v) for v in self.variables])
+        if not opt.gradient_accumulation_steps:
+            keras_optimizer.apply_weight_decay(opt, self.variables)
+        ctx.merge_call(self._step, args=(grads, opt.learning_rate))
+
+    def _step(self, strategy, grads, learning_rate) -> None:
+        reduced = [engine.reduce_gradients(strategy, [grads[i] for i in indices], learning_rate)
+                   for engine, indices in zip(self.engines, self.group_indices)]
+        if self.optimizer.global_clipnorm:
+            self._clip_global([shards for shards, _, _ in reduced])
+        for engine, (shards, params, lrs) in zip(self.engines, reduced):
+            engine.apply_shards(shards, params, lrs)
+
+    def _clip_global(self, shards: list[list]) -> None:
+        """Scales every group's reduced gradient pieces (`shards[g][i]`: group g, local replica i), in place, by
+        global_clipnorm / max(norm, global_clipnorm), the norm over all of them (Keras' `clip_by_global_norm`)."""
+        clip = self.optimizer.global_clipnorm
+        totals = None  # per local replica: the sum of squares over every group and every replica
+        for engine, pieces in zip(self.engines, shards):
+            squares = []
+            for piece, device in zip(pieces, engine.comm.devices):
+                with tf.device(device):
+                    squares.append(tf.reduce_sum(tf.square(piece)))
+            summed = engine.comm.all_reduce_sum(squares)
+            totals = summed if totals is None else [a + b for a, b in zip(totals, summed)]
+        for engine, pieces in zip(self.engines, shards):
+            for i, device in enumerate(engine.comm.devices):
+                with tf.device(device):
+                    norm = tf.sqrt(totals[i])
+                    pieces[i] = pieces[i] * tf.cast(clip / tf.maximum(norm, clip), pieces[i].dtype)
+
+    def overwrite_with_average(self) -> None:
+        """Writes every group's moving averages into the model (Keras' EMA overwrite)."""
+        for engine in self.engines:
+            engine.overwrite_with_average()
+
+
+class GroupedState:
+    """Several groups' `SlotShards` entered together (saving across processes: every process enters the same groups
+    in the same order, the order of the optimizer's variables)."""
+
+    def __init__(self, states: list):
+        self.states = states
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every group's slots all-gathered once (collective): reads inside are local."""
+        with contextlib.ExitStack() as stack:
+            for state in self.states:
+                stack.enter_context(state.gathered())
+            yield
+
+    @contextlib.contextmanager
+    def collective_reads(self) -> Iterator[None]:
+        """Reads that all-gather one slot each are allowed in every group (every process reads alike)."""
+        with contextlib.ExitStack() as stack:
+            for state in self.states:
+                stack.enter_context(state.collective_reads())
+            yield
