@@ -180,12 +180,22 @@ def track_variable(optimizer, variable) -> None:
     optimizer._track_variable(variable)
 
 
-def record_slot_creation(optimizer, created: dict) -> None:
-    """Records every slot this optimizer instance creates: created[(id(reference), name)] = slot."""
+def record_slot_creation(optimizer, created: dict, device_of: Callable | None = None) -> None:
+    """Records every slot this optimizer instance creates: created[(id(reference), name)] = slot.
+
+    With `device_of(reference) -> device`, each slot is created on that device instead of next to its
+    reference variable: TFOptimizer.add_variable_from_reference colocates with the reference (an eager
+    device scope that would win over ours), so the base class's version runs under our device. Only for an
+    optimizer used outside any strategy (ZeRO's shard optimizers), where that colocation is all it adds."""
     original = optimizer.add_variable_from_reference
 
     def record(ref, name=None, initializer="zeros"):
-        var = original(ref, name=name, initializer=initializer)
+        if device_of is None:
+            var = original(ref, name=name, initializer=initializer)
+        else:
+            with tf.device(device_of(ref)):
+                var = _base_optimizer.BaseOptimizer.add_variable_from_reference(
+                    optimizer, ref, name=name, initializer=initializer)
         created[(id(ref), name)] = var
         return var
 

@@ -11,7 +11,6 @@ process (a signature check, then rank 0's value).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,11 +22,11 @@ from tfdist._compat.distribute import (
     launcher_all_reduce_sum,
     launcher_device,
 )
+from tfdist.comm.variable_signature import mismatch_message, signature
 from tfdist.errors import ConfigError
 
 __all__ = ["DeviceGroupAllReduce", "ProcessDevices"]
 
-_MAX_DIMS = 8
 
 
 def _key(device: str) -> tuple[str, int]:
@@ -123,32 +122,14 @@ class ProcessDevices:
             if not tf.executing_eagerly():
                 return  # TF1-style graph building: nothing to run now
             shape = var.shape.as_list() if var.shape.rank is not None else []
-            signature = _signature(index, shape, var.dtype)
+            own = signature(index, shape, var.dtype)
             with tf.device(launcher_device(self._launcher)):
-                gathered = launcher_all_gather(self._launcher, tf.constant(signature[None, :])).numpy()
-            if not (gathered == signature[None, :]).all():
-                raise ConfigError(_mismatch_message(index, var, gathered))
+                gathered = launcher_all_gather(self._launcher, tf.constant(own[None, :])).numpy()
+            if not (gathered == own[None, :]).all():
+                raise ConfigError(mismatch_message("ModelParallelStrategy", "process", index, var, gathered))
             if tf_distribute.is_mirrored(var):  # sync-on-read metric states start at zero everywhere already
                 value = tf.convert_to_tensor(tf_distribute.local_values(var)[0])
                 with tf.device(launcher_device(self._launcher)):
                     mine = value if self.rank == 0 else tf.zeros_like(value)
                     var.assign(DeviceGroupAllReduce.all_reduce_sum(self._launcher, mine))
 
-
-def _signature(index: int, shape: list, dtype: tf.DType) -> np.ndarray:
-    dims = [-1 if d is None else int(d) for d in shape][:_MAX_DIMS]
-    text = f"{index}|{shape}|{dtype.name}".encode()
-    digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
-    return np.array([digest, index, len(shape), *dims, *([-2] * (_MAX_DIMS - len(dims))), dtype.as_datatype_enum],
-                    dtype=np.int64)
-
-
-def _mismatch_message(index: int, var, gathered: np.ndarray) -> str:
-    per_rank = []
-    for rank, row in enumerate(gathered):
-        ndims = int(row[2])
-        per_rank.append(f"process {rank}: shape {tuple(int(d) for d in row[3:3 + min(ndims, _MAX_DIMS)])} "
-                        f"{tf.as_dtype(int(row[-1])).name}")
-    return (f"ModelParallelStrategy: the processes are building different models. Variable #{index} "
-            f"(here {var.name}) differs: {'; '.join(per_rank)}. Every process must build the same model "
-            "(same layers, same order) inside strategy.scope().")

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
+from tfdist.comm.variable_signature import mismatch_message, signature
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodGroup"]
-
-_MAX_DIMS = 8
 
 
 class HorovodGroup:
@@ -44,29 +40,10 @@ class HorovodGroup:
             if not tf.executing_eagerly():
                 return  # TF1-style graph building: nothing to run now
             shape = var.shape.as_list() if var.shape.rank is not None else []
-            signature = _signature(index, shape, var.dtype)
-            gathered = hvd.allgather(tf.constant(signature[None, :])).numpy()
-            if not (gathered == signature[None, :]).all():
-                raise ConfigError(_mismatch_message(index, var, gathered))
+            own = signature(index, shape, var.dtype)
+            gathered = hvd.allgather(tf.constant(own[None, :])).numpy()
+            if not (gathered == own[None, :]).all():
+                raise ConfigError(mismatch_message("HorovodStrategy", "rank", index, var, gathered))
             if tf_distribute.is_mirrored(var):  # metric states (sync on read) start at zero everywhere already
                 var.assign(hvd.broadcast(tf.convert_to_tensor(tf_distribute.local_values(var)[0]), root_rank=0))
 
-
-def _signature(index: int, shape: list, dtype: tf.DType) -> np.ndarray:
-    # [hash, index, ndims, dims (padded), dtype]: equal on every rank iff the k-th variable agrees.
-    dims = [-1 if d is None else int(d) for d in shape][:_MAX_DIMS]
-    text = f"{index}|{shape}|{dtype.name}".encode()
-    digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
-    return np.array([digest, index, len(shape), *dims, *([-2] * (_MAX_DIMS - len(dims))), dtype.as_datatype_enum],
-                    dtype=np.int64)
-
-
-def _mismatch_message(index: int, var, gathered: np.ndarray) -> str:
-    per_rank = []
-    for rank, row in enumerate(gathered):
-        ndims = int(row[2])
-        per_rank.append(f"rank {rank}: shape {tuple(int(d) for d in row[3:3 + min(ndims, _MAX_DIMS)])} "
-                        f"{tf.as_dtype(int(row[-1])).name}")
-    return (f"HorovodStrategy: the ranks are building different models. Variable #{index} "
-            f"(here {var.name}) differs: {'; '.join(per_rank)}. Every rank must build the same model "
-            "(same layers, same order) inside strategy.scope().")

@@ -145,10 +145,10 @@ def memory_report(strategy, model) -> MemoryReport:
             if not isinstance(v, LogicalSlot):
                 for c in _components(strategy, v):
                     add(c.device, "optimizer_state", _nbytes(c))
-        for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps
+        for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps (none at stage 3)
             add(s.value.device, "shard_buffer", int(tf.size(s.value)) * tf.as_dtype(s.dtype).size)
         full = sum(_nbytes(v) for vs in engine.state.slots.values() for v in vs)  # this process's shards
-        full = full * engine.layout.num_shards // len(engine.shard_params)  # all processes' shards
+        full = full * engine.layout.num_shards // len(engine.comm.shard_ids)  # all processes' shards
         full = full * num_params // max(1, engine.layout.padded)
         if engine.kept_gradient_bytes is not None:
             for device, nbytes in zip(engine.comm.devices, engine.kept_gradient_bytes):

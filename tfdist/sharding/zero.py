@@ -277,15 +277,22 @@ class ZeroEngine:
                 return tf.constant(False)
 
             tf.cond(tf.equal((micro_steps + 1) % steps, 0), update, accumulate)
-        if opt.use_ema:
-            self._update_averages(params, iterations)
-            if opt.ema_overwrite_frequency:
-                def overwrite():
-                    self.overwrite_with_average(params)
-                    return tf.constant(True)
+        self._ema_step(params, iterations)
 
-                tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
-                        lambda: tf.constant(False))
+    def _ema_step(self, params: list, iterations) -> None:
+        """With `use_ema`: update the averages (`_update_averages`, per engine), and every
+        `ema_overwrite_frequency` steps copy them into the parameters, as Keras' optimizer does."""
+        opt = self.optimizer
+        if not opt.use_ema:
+            return
+        self._update_averages(params, iterations)
+        if opt.ema_overwrite_frequency:
+            def overwrite():
+                self.overwrite_with_average(params)
+                return tf.constant(True)
+
+            tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
+                    lambda: tf.constant(False))
 
     def _update(self, shards: list, params: list, lrs: list) -> None:
         """Clip the reduced gradient shards, decay and update each owner's parameter shard with the

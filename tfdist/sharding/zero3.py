@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -12,23 +13,26 @@ from tfdist.errors import ConfigError
 from tfdist.sharding.config import ZeroConfig
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
+from tfdist.sharding.piece_clip import clip_pieces
+from tfdist.sharding.piece_state import PieceState
 from tfdist.sharding.zero import ZeroEngine
 from tfdist.sharding.zero3_layout import ParamShardLayout
-from tfdist.sharding.zero3_state import Zero3State
 
 __all__ = ["Zero3Engine", "enable_stage3"]
 
 
 class Zero3Engine(ZeroEngine):
-    """ZeRO stage 3 on the ZeroEngine: the same flat state shards and element-wise update, over a
-    `ParamShardLayout`, so that replica i's optimizer shard covers exactly its pieces of the
-    parameters (`FsdpParam.components[i]`).
+    """ZeRO stage 3 on the ZeroEngine, with the optimizer update run per parameter piece.
 
-    The gradients reach `apply` already reduce-scattered (each FSDP unit's backward does it), one
-    piece per variable and replica. A step concatenates a replica's pieces into its flat gradient
-    shard, clips (on the global gradient), decays, copies its parameter pieces into the shard
-    variable, runs the optimizer's own `update_step` and writes the result back into the pieces:
-    no all-gather, the units gather the parameters when they next need them.
+    Each trainable variable is cut into N pieces (`FsdpParam.components`, one per replica, on its
+    device; `ParamShardLayout` says which elements). The optimizer's own state is made per piece: the
+    shard optimizer (same class and config as the user's) is built over the pieces themselves, so
+    Adam's m and v of replica i's piece of variable j are variables shaped like that piece, on the
+    replica's device (on the host with offload). A step runs the element-wise update directly on each
+    piece with its reduce-scattered gradient piece (each FSDP unit's backward reduce-scatters):
+    no flat gradient, no copy of the parameters into a shard buffer, no write-back. Clipping (on the
+    global gradient), decoupled weight decay, gradient accumulation and EMA work piece by piece too.
+    The units gather the parameters when they next need them.
 
     Example:
         >>> # zero_stage=3 on 4 replicas, Sequential([Input((8,)), Dense(16), Dense(10)]), after one fit
@@ -43,14 +47,62 @@ class Zero3Engine(ZeroEngine):
         super().__init__(optimizer, variables, config)
         self.reduce_scatters = True
 
-    def _make_state(self, slots: dict[str, list], owner: str) -> Zero3State:
-        # Saving then reads the parameters collectively too.
-        return Zero3State(slots, self.layout, self.comm, self.state_devices, self.config.host_device, owner=owner,
-                          params=lambda: self.params)
-
     def _make_layout(self, shapes: list) -> ParamShardLayout:
         return ParamShardLayout(shapes, self.comm.num_shards)
 
+    def _build_shards(self) -> None:
+        # The state is built over the parameter pieces (`build_piece_state`), which exist only once
+        # enable_stage3 has cut the variables. No flat parameter-shard buffer at stage 3.
+        self.inner, self.state, self.shard_params = None, None, []
+        self.piece_refs: list[list] = []  # [local replica][variable]: the Keras views of the pieces
+
+    def build_piece_state(self) -> None:
+        """Builds the shard optimizer over `self.params`' pieces (outside any strategy, so its slots are
+        plain variables on the device we pick: the piece's replica, or the host with offload)."""
+        cls, cfg = type(self.optimizer), self.optimizer.get_config()
+        # Weight decay, clipping, accumulation and EMA run in this engine, which calls only update_step;
+        # the config stays the user's so build makes the "average" / "gradient_accumulator" slots too.
+        cfg["name"] = f"{self.optimizer.name}_shards"
+        state_device = {}
+
+        def build():
+            inner = cls.from_config(cfg)
+            created: dict = {}
+            keras_optimizer.record_slot_creation(inner, created, device_of=lambda ref: state_device[id(ref)])
+            refs = []
+            for i, (sid, device) in enumerate(zip(self.comm.shard_ids, self.comm.devices)):
+                row = []
+                for param in self.params:
+                    piece = param.components[i]
+                    with tf.device(device):  # a piece-sized placeholder, replaced by the piece at once
+                        ref = keras.Variable("zeros", shape=tuple(piece.shape), dtype=self.dtype, trainable=True,
+                                             name=f"{param.name.replace('/', '_')}_piece{sid}")
+                    keras_model.swap_variable_value(ref, piece)  # update_step writes the piece itself
+                    state_device[id(ref)] = self.state_devices[i]
+                    row.append(ref)
+                refs.append(row)
+            inner.build([ref for row in refs for ref in row])
+            return {"inner": inner, "refs": refs, "created": created}
+
+        box = tf_runtime.outside_any_strategy(build)
+        self.inner, self.piece_refs = box["inner"], box["refs"]
+        position = {id(ref): (i, j) for i, row in enumerate(self.piece_refs) for j, ref in enumerate(row)}
+        pieces: dict[str, list[list]] = {}
+        for (ref_id, name), var in box["created"].items():
+            i, j = position[ref_id]
+            pieces.setdefault(name, [[None] * len(self.params) for _ in self.piece_refs])[i][j] = var
+        owner = f"ZeRO stage 3 ({type(self.optimizer).__name__})"
+        self.state = PieceState(pieces, self.layout, self.comm, self.state_devices, self.config.host_device,
+                                owner=owner, params=lambda: self.params)
+        own = {id(v) for rows in pieces.values() for row in rows for v in row}
+        own |= {id(keras_optimizer.iteration_counter(self.inner))}
+        lr = keras_optimizer.learning_rate_variable(self.inner)
+        for v in self.inner.variables:
+            if id(v) not in own and v is not lr and tuple(v.shape) != ():
+                raise ConfigError(f"ZeRO cannot shard {type(self.optimizer).__name__}: its state {v.path} has "
+                                  f"shape {tuple(v.shape)}, not the variable's; only element-wise state can be cut.")
+
+    # --- one training step -----------------------------------------------------------------
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads[j]` is this replica's reduce-scattered piece of variable j's gradient."""
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
@@ -66,51 +118,79 @@ class Zero3Engine(ZeroEngine):
     def _step(self, strategy, grads, learning_rate) -> None:
         n = len(self.comm.devices)
         local = strategy.experimental_local_results
-        grads = [local(g) for g in grads]
-        params = [p.components for p in self.params]
+        grads = [local(g) for g in grads]  # [variable][local replica]
+        params = [p.components for p in self.params]  # [variable][local replica]
         distributed = isinstance(learning_rate, tf.distribute.DistributedValues)
         lrs = local(learning_rate) if distributed else [learning_rate] * n
-        shards = []
+        pieces = []  # [local replica][variable]: the gradient pieces, as they came from the reduce-scatter
         for i, device in enumerate(self.comm.devices):
             with tf.device(device):
-                shards.append(tf.concat([tf.cast(g[i], self.dtype) for g in grads], 0))
-        self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
-        self._apply_shards(shards, params, lrs)
+                pieces.append([tf.cast(g[i], self.dtype) for g in grads])
+        self.kept_gradient_bytes = [sum(int(np.prod(g.shape)) * g.dtype.size for g in row) for row in pieces]
+        self._apply_pieces(pieces, params, lrs)
 
-    def _pieces(self, tensors: list, shard: int) -> tf.Tensor:
-        # Stage 3: `tensors` are already replica `shard`'s pieces of each variable.
-        return tf.concat([tf.identity(t) for t in tensors], 0) if len(tensors) > 1 else tf.identity(tensors[0])
-
-    def _update(self, shards: list, params: list, lrs: list) -> None:
+    def _apply_pieces(self, grads: list, params: list, lrs: list) -> None:
+        """Cross-replica context: `grads[i][j]` (replica i's gradient piece of variable j) through
+        accumulation, clipping, decay, the update and EMA; `params[j][i]` is the parameter piece."""
         opt = self.optimizer
-        shards = self._clip(shards)
-        self._decay(params, lrs)  # here, on the pieces (Keras decays the Keras variable, which has no value)
-        for i, device in enumerate(self.state_devices):
-            with tf.device(device), tf.control_dependencies(shards):
-                self.shard_params[i].assign(self._pieces([p[i] for p in params], i))
-        counter = keras_optimizer.iteration_counter(self.inner)
-        counter.assign(tf.cast(keras_optimizer.iteration_counter(opt), counter.dtype))
-        for i, device in enumerate(self.state_devices):
-            with tf.device(device):
-                self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
-        written = self._write_pieces([s.value for s in self.shard_params], params)
-        for i, device in enumerate(self.state_devices):
-            with tf.device(device), tf.control_dependencies(written[i]):
-                self.shard_params[i].value.assign(tf.zeros([0], self.dtype))  # free it until the next step
+        iterations = opt.iterations  # Keras' own counter and rule: with accumulation it counts updates
+        steps = opt.gradient_accumulation_steps
+        if not steps:
+            self._update(grads, params, lrs)
+        else:
+            accumulators = [self.state.piece_variables("gradient_accumulator", i) for i in range(len(grads))]
+            micro_steps = keras_optimizer.iteration_counter(opt)
 
-    def _write_pieces(self, flats: list, params: list) -> list[list]:
-        """Splits replica i's flat shard `flats[i]` into its pieces of each variable."""
-        done = []
-        for i, device in enumerate(self.comm.devices):
+            def update():
+                total = []
+                for row, accs, device in zip(grads, accumulators, self.state_devices):
+                    with tf.device(device):
+                        total.append([(tf.identity(g) + a) / tf.cast(steps, self.dtype) for g, a in zip(row, accs)])
+                self._update(total, params, lrs)
+                for accs, device in zip(accumulators, self.state_devices):
+                    with tf.device(device):
+                        for a in accs:
+                            a.assign(tf.zeros_like(a))
+                return tf.constant(True)
+
+            def accumulate():
+                for row, accs, device in zip(grads, accumulators, self.state_devices):
+                    with tf.device(device):
+                        for g, a in zip(row, accs):
+                            a.assign_add(tf.identity(g))
+                return tf.constant(False)
+
+            tf.cond(tf.equal((micro_steps + 1) % steps, 0), update, accumulate)
+        self._ema_step(params, iterations)
+
+    def _update(self, grads: list, params: list, lrs: list) -> None:
+        """Clip (global gradient), decay, then the optimizer's own update_step on every piece."""
+        grads = clip_pieces(self.optimizer, self.comm, grads)
+        self._decay(params, lrs)  # here, on the pieces (Keras decays the Keras variable, which has no value)
+        counter = keras_optimizer.iteration_counter(self.inner)
+        counter.assign(tf.cast(keras_optimizer.iteration_counter(self.optimizer), counter.dtype))
+        for row, refs, lr, device in zip(grads, self.piece_refs, lrs, self.state_devices):
             with tf.device(device):
-                parts = tf.split(tf.identity(flats[i]), self.layout.piece_sizes)
-                done.append([p[i].assign(part) for p, part in zip(params, parts)])
-        return done
+                lr = tf.cast(lr, self.dtype)
+                for g, ref in zip(row, refs):
+                    self.inner.update_step(tf.identity(g), ref, lr)
+
+    def _update_averages(self, params: list, iterations) -> None:
+        """Keras' EMA (`average = m * average + (1 - m) * variable`, m = 0 on the first step), per piece."""
+        opt = self.optimizer
+        for i, device in enumerate(self.state_devices):
+            with tf.device(device):
+                momentum = tf.cast(tf.not_equal(iterations, 0), self.dtype) * tf.cast(opt.ema_momentum, self.dtype)
+                for average, p in zip(self.state.piece_variables("average", i), params):
+                    average.assign(momentum * average + (1 - momentum) * p[i])
 
     def overwrite_with_average(self, params: list | None = None) -> None:
-        """Keras' EMA overwrite: each replica writes its average shard into its parameter pieces."""
+        """Keras' EMA overwrite: each replica writes its average pieces into its parameter pieces."""
         params = params if params is not None else [p.components for p in self.params]
-        self._write_pieces([tf.identity(a) for a in self.state.shards("average")], params)
+        for i, device in enumerate(self.comm.devices):
+            with tf.device(device):
+                for average, p in zip(self.state.piece_variables("average", i), params):
+                    p[i].assign(tf.identity(average))
 
     def _decay(self, params: list, lrs: list) -> None:
         opt = self.optimizer
@@ -127,9 +207,9 @@ class Zero3Engine(ZeroEngine):
 
 def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero3Engine:
     """Shards `model`'s trainable `variables` (those `optimizer` is being built for) ZeRO-3 style:
-    checks, builds the engine (optimizer state), replaces every variable's replicated value with an
-    `FsdpParam` (pieces on the replicas' devices, the replicated copies are dropped) and wraps each
-    layer that owns some of them as an `FsdpUnit`."""
+    checks, builds the engine, replaces every variable's replicated value with an `FsdpParam` (pieces
+    on the replicas' devices, the replicated copies are dropped), builds the optimizer state over the
+    pieces and wraps each layer that owns some of them as an `FsdpUnit`."""
     variables = list(variables)
     _check_variables(variables)
     units = _find_units(model, variables, config.unit_bytes)
@@ -146,13 +226,17 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
             pieces = []
             for r, device in zip(comm.shard_ids, comm.devices):
                 with tf.device(device):
-                    pieces.append(tf.Variable(flat[r * k:(r + 1) * k], trainable=True,
+                    # A copy, not a slice: a slice along the first dimension shares the replicated
+                    # variable's buffer, which the piece would then keep alive, and the first in-place
+                    # update (the optimizer's, per piece) would copy it once more.
+                    pieces.append(tf.Variable(tf.raw_ops.DeepCopy(x=flat[r * k:(r + 1) * k]), trainable=True,
                                               name=f"{v.path.replace('/', '_')}_fsdp{r}"))
             made.append(FsdpParam(v.path, v.shape, v.dtype, pieces, comm.num_shards, config.host_device,
-                                  shard_ids=list(comm.shard_ids), gather=engine.state.gather_param))
+                                  shard_ids=list(comm.shard_ids), gather=lambda p: engine.state.gather_param(p)))
         return made
 
     engine.params = tf_runtime.outside_any_strategy(build)
+    engine.build_piece_state()
     for v, p in zip(variables, engine.params):
         keras_model.swap_variable_value(v, p)  # the replicated tf.Variable has no other holder: freed
     param_of = {id(v): p for v, p in zip(variables, engine.params)}
