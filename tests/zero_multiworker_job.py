@@ -101,7 +101,9 @@ record["w_adamw_mixed"] = flat(mixed)
 inner = tfdist.sharding.engine_of(mixed.optimizer.inner_optimizer)  # the sharded one
 record["adamw_mixed_optimizer"] = [type(mixed.optimizer).__name__, mixed.layers[0].compute_dtype,
                                    int(mixed.optimizer.iterations.numpy()), inner.stage if inner else 0]
-record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-*{os.getpid()}*"))
+# This process's ModelCheckpoint scratch directories (the pid is in their name; a looser pattern also matched
+# other runs' random tfdist-* names that happened to contain these digits).
+record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-ckpt-rank-{os.getpid()}-*"))
 record["replicas"] = strategy.num_replicas_in_sync
 with open(os.path.join(out, f"{tag}-rank{rank}.json"), "w") as f:
     json.dump({k: (v.tolist() if isinstance(v, np.ndarray) else [s.tolist() for s in v] if k.startswith("slots") else v)

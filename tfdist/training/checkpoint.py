@@ -42,7 +42,8 @@ class ModelCheckpoint(keras.callbacks.Callback):
     def _shadow(self):
         """Non-chief ranks under multi-process ZeRO: an inner callback writing to a scratch directory."""
         if self.inner is None:
-            self._scratch = tempfile.mkdtemp(prefix="tfdist-ckpt-rank-")
+            # The pid in the name lets a job check that its own scratch directories are gone.
+            self._scratch = tempfile.mkdtemp(prefix=f"tfdist-ckpt-rank-{os.getpid()}-")
             path = os.path.join(self._scratch, os.path.basename(self._filepath))
             self.inner = keras.callbacks.ModelCheckpoint(path, *self._args, **self._kwargs)
             self.inner.set_model(self.model)
