@@ -101,8 +101,9 @@ def _measure(name: str, build, shape: tuple, parts: int, devices: list[str]) -> 
     return result, step, x
 
 
-def _time_steps(steps: dict, x, n: int, rounds: int) -> dict[str, list[float]]:
-    """Median step seconds per round for each configuration, rounds interleaved (ABBA)."""
+def time_steps(steps: dict, x, n: int, rounds: int) -> dict[str, list[float]]:
+    """Median step seconds per round for each configuration (`steps[k](x, x)`), rounds interleaved (ABBA), after
+    3 warm-up calls each (tracing, thread pools, allocator)."""
     import statistics
 
     per_round: dict[str, list[float]] = {k: [] for k in steps}
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 steps["T=2"], x_block = step, x
     one = transformer(h, s)
     steps["one device"] = _step(tf.distribute.get_strategy(), one)
-    rounds = _time_steps({"one device": steps["one device"], "T=2": steps["T=2"]}, x_block, args.steps, args.rounds)
+    rounds = time_steps({"one device": steps["one device"], "T=2": steps["T=2"]}, x_block, args.steps, args.rounds)
     ratio = spread([t2 / t1 for t1, t2 in zip(rounds["one device"], rounds["T=2"])])
     ok = True
     print(f"b={b}, s={s}, h={h}; load {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")

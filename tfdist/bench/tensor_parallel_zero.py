@@ -9,7 +9,7 @@ import os
 import time
 
 from tfdist.bench.arguments import require_at_least
-from tfdist.bench.tensor_parallel import transformer
+from tfdist.bench.tensor_parallel import time_steps, transformer
 
 NAME = "tensor-parallel-zero"
 HELP = "ZeRO over ModelParallelStrategy's batch axis: optimizer bytes per device and step time vs stage 0 (2 x 2 mesh)"
@@ -49,26 +49,6 @@ def _setup(stage: int, h: int, s: int, devices: list[str]):
 
     step = tf.function(lambda x, y: strategy.reduce("SUM", strategy.run(replica_step, args=(x, y)), axis=None))
     return strategy, model, step
-
-
-def time_steps(steps: dict, x, n: int, rounds: int) -> dict[str, list[float]]:
-    """Median step seconds per round for each configuration, rounds interleaved (ABC, CBA, ...), after 3 warm-up
-    calls each (tracing, thread pools, allocator)."""
-    import statistics
-
-    for _ in range(3):
-        for step in steps.values():
-            float(step(x, x))
-    per_round: dict[str, list[float]] = {k: [] for k in steps}
-    for r in range(rounds):
-        for k in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            times = []
-            for _ in range(n):
-                start = time.perf_counter()
-                float(steps[k](x, x))
-                times.append(time.perf_counter() - start)
-            per_round[k].append(statistics.median(times))
-    return per_round
 
 
 def run(args: argparse.Namespace) -> int:
