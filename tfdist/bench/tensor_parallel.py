@@ -185,12 +185,17 @@ def plot(record: dict, path: str) -> None:
     left.set_xticks(list(xs), labels)
     left.set_ylim(0, 1.4)
     left.legend(fontsize=7, loc="upper left", ncol=2)
-    for name, seconds in record["step_seconds"].items():
-        right.plot([1000 * t for t in seconds], marker="o", label=name)
     q = record["step_ratio_t2_over_one"]
-    right.set_title(f"Transformer block step: T=2 ÷ 1 = {q['median']:.2f} (min {q['min']:.2f}, max {q['max']:.2f})",
-                    fontsize=9)
-    right.set_xlabel(f"round (load {record['loadavg'][0]:.1f})")
-    right.set_ylabel("median ms per step")
-    right.legend(fontsize=7)
+    plot_rounds(right, record, f"Transformer block step: T=2 ÷ 1 = {q['median']:.2f} (min {q['min']:.2f}, "
+                               f"max {q['max']:.2f})")
     save_figure(fig, path)
+
+
+def plot_rounds(ax, record: dict, title: str) -> None:
+    """The step-time panel: median ms per step of each configuration, round by round (`record["step_seconds"]`)."""
+    for name, seconds in record["step_seconds"].items():
+        ax.plot([1000 * t for t in seconds], marker="o", label=name)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(f"round (load {record['loadavg'][0]:.1f})")
+    ax.set_ylabel("median ms per step")
+    ax.legend(fontsize=7)

@@ -9,7 +9,7 @@ import os
 import time
 
 from tfdist.bench.arguments import require_at_least
-from tfdist.bench.tensor_parallel import time_steps, transformer
+from tfdist.bench.tensor_parallel import plot_rounds, time_steps, transformer
 
 NAME = "tensor-parallel-zero"
 HELP = "ZeRO over ModelParallelStrategy's batch axis: optimizer bytes per device and step time vs stage 0 (2 x 2 mesh)"
@@ -115,11 +115,6 @@ def plot(record: dict, path: str) -> None:
     left.set_xticks(list(xs), [f"stage {s}" for s in stages])
     left.set_ylim(0, 1.2)
     left.legend(fontsize=7)
-    for name, seconds in record["step_seconds"].items():
-        right.plot([1000 * t for t in seconds], marker="o", label=name)
-    right.set_title("Adam step, 2 x 2 mesh: " + ", ".join(
-        f"stage {s} ÷ 0 = {record['step_ratio_over_stage0'][s]['median']:.2f}" for s in stages), fontsize=9)
-    right.set_xlabel(f"round (load {record['loadavg'][0]:.1f})")
-    right.set_ylabel("median ms per step")
-    right.legend(fontsize=7)
+    plot_rounds(right, record, "Adam step, 2 x 2 mesh: " + ", ".join(
+        f"stage {s} ÷ 0 = {record['step_ratio_over_stage0'][s]['median']:.2f}" for s in stages))
     save_figure(fig, path)

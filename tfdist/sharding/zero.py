@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
+from tfdist.sharding.clipping import clip_flat_shards
 from tfdist.sharding.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.sharding.layout import FlatLayout
 from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
@@ -369,36 +370,8 @@ class ZeroEngine:
         self._write_params(self.comm.all_gather(averages), params)
 
     def _clip(self, shards: list) -> list:
-        """Gradient clipping on the *global* (reduced) gradient, whatever the stage.
-
-        Stock Keras clips each replica's local gradient before the all-reduce; under ZeRO the norms
-        are those of the summed gradient: clipnorm per variable, global_clipnorm over all variables,
-        clipvalue element-wise on the sum.
-        """
-        opt, comm, layout = self.optimizer, self.comm, self.layout
-        if opt.global_clipnorm and not self.clips_global_norm:  # done over all engines by a GroupedZeroEngine
-            return shards
-        if opt.clipvalue:
-            return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
-        if opt.global_clipnorm:
-            sq = [tf.reduce_sum(tf.square(s)) for s in shards]
-            totals = comm.all_reduce_sum(sq)
-            out = []
-            for s, total in zip(shards, totals):
-                norm = tf.sqrt(total)
-                out.append(s * tf.cast(opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm), s.dtype))
-            return out
-        if opt.clipnorm:
-            nvar = len(layout.sizes)
-            seg = [tf.constant(layout.segment_ids(sid)) for sid in comm.shard_ids]
-            sq = [tf.math.unsorted_segment_sum(tf.square(s), ids, nvar + 1) for s, ids in zip(shards, seg)]
-            totals = comm.all_reduce_sum(sq)
-            out = []
-            for s, total, ids in zip(shards, totals, seg):
-                factor = opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm)
-                out.append(s * tf.gather(tf.cast(factor, s.dtype), ids))
-            return out
-        return shards
+        """Clipping on the summed gradient (tfdist.sharding.clipping), whatever the stage."""
+        return clip_flat_shards(self.optimizer, self.comm, self.layout, shards, global_norm=self.clips_global_norm)
 
 
 def tf_variable(variable):

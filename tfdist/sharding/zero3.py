@@ -10,10 +10,10 @@ import tensorflow as tf
 
 from tfdist._compat import fsdp_keras, keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
+from tfdist.sharding.clipping import clip_pieces
 from tfdist.sharding.config import ZeroConfig
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
-from tfdist.sharding.piece_clip import clip_pieces
 from tfdist.sharding.piece_state import PieceState
 from tfdist.sharding.zero import ZeroEngine
 from tfdist.sharding.zero3_layout import ParamShardLayout

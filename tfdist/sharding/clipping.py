@@ -1,4 +1,6 @@
-"""Gradient clipping on the global (reduced) gradient when each replica holds one piece of every variable."""
+"""ZeRO's gradient clipping, on the global (reduced) gradient: as flat shards (stages 1/2) or per-variable pieces
+(stage 3). Stock Keras clips each replica's local gradient before the all-reduce; here the norms are those of the
+summed gradient: clipnorm per variable, global_clipnorm over all variables, clipvalue element-wise on the sum."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import tensorflow as tf
 
 from tfdist.comm.shard_collectives import ShardCollectives
 
-__all__ = ["clip_pieces"]
+__all__ = ["clip_flat_shards", "clip_pieces"]
 
 
 def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
@@ -17,7 +19,7 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
     (one small all-reduce). Returns the pieces in the same layout.
 
     Stock Keras clips each replica's local gradient before the all-reduce; ZeRO's norms are those of the
-    summed gradient, as at stages 1 and 2 (`ZeroEngine._clip`).
+    summed gradient, as at stages 1 and 2 (`clip_flat_shards`).
 
     Example:
         >>> opt = keras.optimizers.SGD(clipnorm=1.0)
@@ -41,3 +43,33 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
             out.append([g * tf.cast(factors[j], g.dtype) for j, g in enumerate(row)])
         return out
     return grads
+
+
+def clip_flat_shards(optimizer, comm: ShardCollectives, layout, shards: list, global_norm: bool = True) -> list:
+    """The same on flat shards (stages 1/2): `shards[i]` is local replica i's shard of the concatenated reduced
+    gradient, `layout` the engine's FlatLayout (which variable each element belongs to). `global_norm=False`
+    leaves global_clipnorm to the caller (a GroupedZeroEngine clips by the norm over all its engines)."""
+    opt = optimizer
+    if opt.global_clipnorm and not global_norm:
+        return shards
+    if opt.clipvalue:
+        return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
+    if opt.global_clipnorm:
+        sq = [tf.reduce_sum(tf.square(s)) for s in shards]
+        totals = comm.all_reduce_sum(sq)
+        out = []
+        for s, total in zip(shards, totals):
+            norm = tf.sqrt(total)
+            out.append(s * tf.cast(opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm), s.dtype))
+        return out
+    if opt.clipnorm:
+        nvar = len(layout.sizes)
+        seg = [tf.constant(layout.segment_ids(sid)) for sid in comm.shard_ids]
+        sq = [tf.math.unsorted_segment_sum(tf.square(s), ids, nvar + 1) for s, ids in zip(shards, seg)]
+        totals = comm.all_reduce_sum(sq)
+        out = []
+        for s, total, ids in zip(shards, totals, seg):
+            factor = opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm)
+            out.append(s * tf.gather(tf.cast(factor, s.dtype), ids))
+        return out
+    return shards
