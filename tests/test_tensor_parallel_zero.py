@@ -62,7 +62,7 @@ def assert_close(reference: dict, got: dict, rtol: float) -> None:
 
 # --- bad input -----------------------------------------------------------------------------------------------
 def test_bad_zero_stage_and_unsupported_combinations_raise_config_errors():
-    for bad in (3, -1, "1", True, 1.0):
+    for bad in (4, -1, "1", True, 1.0):
         with pytest.raises(ConfigError, match=rf"zero_stage={bad!r} is not supported"):
             strategy_for(zero_stage=bad)
     with pytest.raises(ConfigError, match=r"cannot shard optimizer Lamb: it scales each variable's update"):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from tfdist._compat.captured_inputs import captured_inputs
 from tfdist.placement.streams import StageStreams, TaskKey
 
 __all__ = ["place_layer_call", "colocate_with_inputs", "canonical_device"]
@@ -73,15 +74,20 @@ def place_layer_call(layer: keras.layers.Layer, device_for_replica: Callable[[],
                 values[i] = t
             return original(*tf.nest.pack_sequence_as(args, values), **kwargs)
 
+        # Weights ZeRO-3 gathered for this layer, which it reads by closure: differentiated like inputs.
+        captured = captured_inputs()
+
         @tf.custom_gradient
         def stage(*tensors):
+            tensors, held = tensors[:len(slots)], list(tensors[len(slots):])
             waits = streams.after_previous(device) if streams else []
             with tf.device(device), tf.name_scope("to_stage"), tf.control_dependencies(waits):
                 local = [tf.identity(t) for t in tensors]
             with tf.device(device):
                 with tf.GradientTape(persistent=context is not None) as tape:
-                    tape.watch(local)
+                    tape.watch(local + held)
                     outputs = run(local)
+            local = local + held  # their gradients go where the inputs' go
             flat_out = tf.nest.flatten(outputs)
             if streams:
                 streams.record(device, flat_out)
@@ -123,7 +129,7 @@ def place_layer_call(layer: keras.layers.Layer, device_for_replica: Callable[[],
         # still returns the weight gradients. The device scope also covers the IdentityN that
         # custom_gradient adds around the outputs, so outputs stay on the stage.
         with tf.device(device):
-            return stage(*[flat[i] for i in slots])
+            return stage(*[flat[i] for i in slots], *captured)
 
     _original_calls[layer] = original
     layer.call = call

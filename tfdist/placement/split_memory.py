@@ -45,7 +45,8 @@ class SplitMemoryReport:
     rows: list[DeviceMemory] = field(default_factory=list)
     replicated: DeviceMemory = field(default_factory=lambda: DeviceMemory("replicated"))
     optimizer_built: bool = False
-    #: ZeRO over the batch axis: 1 cuts each device's optimizer state into one piece per row, 2 its gradients too
+    #: ZeRO over the batch axis: 1 cuts each device's optimizer state into one piece per row, 2 its gradients too,
+    #: 3 its parameters too
     zero_stage: int = 0
 
     def largest(self, what: str = "total") -> int:
@@ -75,9 +76,12 @@ class SplitMemoryReport:
                      "and scalars sit on each row's first device)")
         if self.zero_stage:
             rows = len(self.rows) // t  # mesh rows (the batch axis)
+            held = {1: "optimizer state", 2: "optimizer state and summed gradients"}.get(
+                self.zero_stage, "parameters, gradients and optimizer state")
             lines.append(f"ZeRO stage {self.zero_stage} over the batch axis: each device holds 1/{rows} of its "
-                         "variables' optimizer state" + (" and summed gradients" if self.zero_stage == 2 else "")
-                         + f" (ideal optimizer state ratio 1/(T x {rows}) = {1 / (t * rows):.4f})")
+                         f"variables' {held}"
+                         + f" (ideal {'total' if self.zero_stage == 3 else 'optimizer state'} ratio "
+                           f"1/(T x {rows}) = {1 / (t * rows):.4f})")
         return "\n".join(lines)
 
 
@@ -92,7 +96,8 @@ def _placed(variable) -> list:
     value = getattr(variable, "value", variable)
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
-    return [value]
+    pieces = getattr(value, "components", None)  # ZeRO stage 3: one piece per row, nothing whole
+    return list(pieces) if isinstance(pieces, list) else [value]
 
 
 def split_memory_report(model, grid: list[list[str]], sharded_state: tuple[list, list] | None = None,

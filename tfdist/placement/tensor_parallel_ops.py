@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfdist._compat.captured_inputs import captured_inputs
+
 __all__ = ["SCOPES", "copy_to_shards", "gather_from_shards", "on_device", "on_device_many", "reduce_from_shards",
            "remember_shards", "shards_of", "split_to_shards"]
 
@@ -121,41 +123,56 @@ def _dense_gradient(g):
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
+def _fill_gradients(grads: list, sources: list, n: int, num_values: int) -> tuple[list, list]:
+    """(input gradients, variable gradients) of an `on_device` block: zeros where the inputs and variables are
+    unconnected, None for the captured tensors `fn` did not read (no zero-filled weight-sized tensors)."""
+    out = []
+    for k, (g, source) in enumerate(zip(grads, sources)):
+        captured = n <= k < num_values
+        out.append(None if g is None and captured else tf.zeros_like(source) if g is None else _dense_gradient(g))
+    return out[:num_values], out[num_values:]
+
+
 def on_device(device: str, fn: Callable, *tensors: tf.Tensor) -> tf.Tensor:
     """`fn(*tensors)` with its forward *and* backward ops on `device` (float `tensors` only; capture others).
 
     Without this TF builds every backward op where the tape's gradient is requested (the home device); the
     backward of each shard here runs from an inner tape under the shard's device."""
 
+    n = len(tensors)
+    captured = captured_inputs()  # ZeRO-3's gathered weights, read by `fn` through their Keras variables
+
     @tf.custom_gradient
     def run(*values):
         with tf.device(device), tf.GradientTape() as tape:
             tape.watch(values)
-            out = fn(*values)
+            out = fn(*values[:n])
 
         def grad(dy, variables=None):
             variables = list(variables or [])
             with tf.device(device):
                 grads = tape.gradient(out, list(values) + variables, output_gradients=tf.identity(dy),
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            grads = [_dense_gradient(g) for g in grads]
-            return grads[:len(values)], grads[len(values):]
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+            return _fill_gradients(grads, list(values) + variables, n, len(values))
 
         return out, grad
 
     with tf.device(device):
-        return run(*tensors)
+        return run(*tensors, *captured)
 
 
 def on_device_many(device: str, fn: Callable, *tensors: tf.Tensor) -> list[tf.Tensor]:
     """`on_device` for an `fn` returning several tensors (e.g. the query, key and value projections of one
     input): one backward, whose inner tape sums each input's gradients from every output on `device`."""
 
+    n = len(tensors)
+    captured = captured_inputs()
+
     @tf.custom_gradient
     def run(*values):
         with tf.device(device), tf.GradientTape() as tape:
             tape.watch(values)
-            outs = list(fn(*values))
+            outs = list(fn(*values[:n]))
 
         def grad(*dys, variables=None):
             variables = list(variables or [])
@@ -163,11 +180,10 @@ def on_device_many(device: str, fn: Callable, *tensors: tf.Tensor) -> list[tf.Te
                 # an output nothing reads (a projection computed for an input it was not called on) has no gradient
                 dys = [tf.zeros_like(o) if d is None else tf.identity(d) for o, d in zip(outs, dys)]
                 grads = tape.gradient(outs, list(values) + variables, output_gradients=dys,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            grads = [_dense_gradient(g) for g in grads]
-            return grads[:len(values)], grads[len(values):]
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+            return _fill_gradients(grads, list(values) + variables, n, len(values))
 
         return outs, grad
 
     with tf.device(device):
-        return list(run(*tensors))
+        return list(run(*tensors, *captured))

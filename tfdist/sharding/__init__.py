@@ -8,6 +8,7 @@ from tfdist.sharding.config import (SUPPORTED_STAGES, ZeroConfig, check_options,
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
 from tfdist.sharding.grouped import GroupedZeroEngine
+from tfdist.sharding.grouped_zero3 import GroupedZero3Engine
 from tfdist.sharding.layout import FlatLayout
 from tfdist.sharding.memory import MemoryReport, memory_report, zero_formula
 from tfdist.sharding.slot_shards import SlotShards
@@ -15,7 +16,7 @@ from tfdist.sharding.zero import ZeroEngine
 from tfdist.sharding.zero3 import Zero3Engine
 from tfdist.sharding.zero3_layout import ParamShardLayout
 
-__all__ = ["FlatLayout", "FsdpParam", "FsdpUnit", "GroupedZeroEngine", "LocalCollectives", "MemoryReport",
+__all__ = ["FlatLayout", "FsdpParam", "FsdpUnit", "GroupedZero3Engine", "GroupedZeroEngine", "LocalCollectives", "MemoryReport",
            "ParamShardLayout", "SUPPORTED_STAGES", "ShardCollectives", "SlotShards", "Zero3Engine", "ZeroConfig",
            "ZeroEngine", "building_optimizers", "check_options", "check_stage3_options", "check_unit_bytes",
            "configure_stage3", "cross_process_engine", "engine_of", "gathered_state", "memory_report",

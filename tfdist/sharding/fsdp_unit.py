@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import fsdp_keras
+from tfdist._compat.captured_inputs import differentiable_captures
 from tfdist.comm.shard_collectives import ShardCollectives
 from tfdist.sharding.fsdp_param import FsdpParam, current_unit
 
@@ -40,8 +41,17 @@ class FsdpUnit:
     """
 
     def __init__(self, layer, params: list[tuple[keras.Variable, FsdpParam]], comm: ShardCollectives,
-                 reshard_after_forward: bool = True, prefetch: bool = False):
+                 reshard_after_forward: bool = True, prefetch: bool = False,
+                 comms: list[ShardCollectives] | None = None):
         self.layer, self.params, self.comm = layer, params, comm
+        # `comms[j]`: the collectives of params[j]'s pieces (under tensor parallelism a unit's weights live on
+        # several device groups, one per position on the model axis); by default all `comm`. One all-gather and
+        # one reduce-scatter per group, all in one merge_call.
+        comms = list(comms) if comms is not None else [comm] * len(params)
+        groups: dict[int, tuple[ShardCollectives, list[int]]] = {}
+        for j, c in enumerate(comms):
+            groups.setdefault(id(c), (c, []))[1].append(j)
+        self.groups = list(groups.values())
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.name = layer.name
         self.stock_call = fsdp_keras.original_call(layer)
@@ -78,7 +88,9 @@ class FsdpUnit:
             mapping = [(v, w) for (v, _), w in zip(self.params, weights)] + list(zip(self.others, values))
             current_unit().append(self.name)
             try:
-                with keras.StatelessScope(state_mapping=mapping) as scope:
+                # A split layer's per-device blocks (custom gradients) read the weights by closure: they must
+                # still differentiate them.
+                with keras.StatelessScope(state_mapping=mapping) as scope, differentiable_captures(weights):
                     out = self.stock_call(*a, **kw)
             finally:
                 current_unit().pop()
@@ -101,10 +113,13 @@ class FsdpUnit:
                         "backward", [d for d in dys if d is not None]))
                 else:  # the forward's tensors, kept alive until here by this use
                     weights = [tf.identity(w) for w in gathered]
-                floats = [x for x in inputs if x.dtype.is_floating]
+                # New tensors for the recompute: a layer that caches its output per input tensor (tensor
+                # parallelism's fused query/key/value projections) must compute again, under this tape.
+                fresh = [_fresh(x) for x in inputs]
+                floats = [x for x in fresh if x.dtype.is_floating]
                 with tf.GradientTape() as tape:
                     tape.watch(floats + weights)
-                    again, _ = run(weights, values, inputs)
+                    again, _ = run(weights, values, fresh)
                 again = tf.nest.flatten(again)
                 dys = [tf.zeros_like(o) if d is None else d for o, d in zip(again, dys[:len(again)])]
                 grads = tape.gradient(again, floats + weights, output_gradients=dys,
@@ -141,44 +156,58 @@ class FsdpUnit:
 
     # --- collectives (replica context: one merge_call each, the replicas' values meet there) ---------
     def _gather(self, ctx, pieces, after=()) -> list[tf.Tensor]:
-        """This replica's full weights from every replica's pieces: one all-gather of the concatenation,
-        issued only once the tensors `after` exist."""
-        n = self.comm.num_shards
+        """This replica's full weights from every replica's pieces: per device group, one all-gather of the
+        concatenation of its pieces, issued only once the tensors `after` exist."""
         with tf.control_dependencies(list(after)):
-            local = tf.concat(list(pieces), 0) if len(pieces) > 1 else tf.identity(pieces[0])
-        full = ctx.merge_call(self._merge_gather, args=(local,))
-        rows = tf.reshape(full, [n, sum(self.piece_sizes)])
-        out, start = [], 0
-        for (v, p), k in zip(self.params, self.piece_sizes):
-            flat = tf.reshape(rows[:, start:start + k], [-1])[:p.size]
-            out.append(tf.reshape(flat, p.shape))
-            start += k
+            local = [tf.concat([pieces[j] for j in js], 0) if len(js) > 1 else tf.identity(pieces[js[0]])
+                     for _, js in self.groups]
+        fulls = ctx.merge_call(self._merge_gather, args=tuple(local))
+        out = [None] * len(self.params)
+        for full, (comm, js) in zip(fulls, self.groups):
+            sizes = [self.piece_sizes[j] for j in js]
+            rows, start = tf.reshape(full, [comm.num_shards, sum(sizes)]), 0
+            for j, k in zip(js, sizes):
+                p = self.params[j][1]
+                flat = tf.reshape(rows[:, start:start + k], [-1])[:p.size]
+                out[j] = tf.reshape(flat, p.shape)
+                start += k
         return out
 
-    def _merge_gather(self, strategy, local):
-        return _per_replica(strategy, self.comm.all_gather(list(strategy.experimental_local_results(local))),
-                            self.comm.shard_ids[0])
+    def _merge_gather(self, strategy, *local):
+        return tuple(_per_replica(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
+                                  comm.shard_ids[0]) for x, (comm, _) in zip(local, self.groups))
 
     def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
         """This replica's pieces of the sum over replicas of the weight gradients."""
-        n = self.comm.num_shards
-        flats = []
-        for g, (_, p), k in zip(grads, self.params, self.piece_sizes):
-            flat = tf.reshape(tf.cast(g, p.dtype), [-1])
-            flats.append(tf.pad(flat, [[0, n * k - p.size]]) if n * k > p.size else flat)
-        # One chunk per destination replica (its pieces of every weight), built straight from the
-        # gradients: one unit-sized copy in flight next to the gradient itself.
         chunks = []
-        for r in range(n):
-            parts = [f[r * k:(r + 1) * k] for f, k in zip(flats, self.piece_sizes)]
-            chunks.append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
+        for comm, js in self.groups:
+            n, flats = comm.num_shards, []
+            for j in js:
+                p, k = self.params[j][1], self.piece_sizes[j]
+                flat = tf.reshape(tf.cast(grads[j], p.dtype), [-1])
+                flats.append(tf.pad(flat, [[0, n * k - p.size]]) if n * k > p.size else flat)
+            # One chunk per destination replica (its pieces of the group's weights), built straight from the
+            # gradients: one unit-sized copy in flight next to the gradient itself.
+            for r in range(n):
+                parts = [f[r * self.piece_sizes[j]:(r + 1) * self.piece_sizes[j]] for f, j in zip(flats, js)]
+                chunks.append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
         mine = ctx.merge_call(self._merge_reduce_scatter, args=tuple(chunks))
-        return list(tf.split(mine, self.piece_sizes)) if len(self.piece_sizes) > 1 else [mine]
+        out = [None] * len(self.params)
+        for summed, (_, js) in zip(mine, self.groups):
+            sizes = [self.piece_sizes[j] for j in js]
+            for j, g in zip(js, tf.split(summed, sizes) if len(js) > 1 else [summed]):
+                out[j] = g
+        return out
 
     def _merge_reduce_scatter(self, strategy, *chunks):
-        local = [strategy.experimental_local_results(c) for c in chunks]  # [destination][local replica]
-        return _per_replica(strategy, self.comm.reduce_scatter(
-            [[local[r][i] for r in range(len(chunks))] for i in range(len(self.comm.devices))]), self.comm.shard_ids[0])
+        out, at = [], 0
+        for comm, _ in self.groups:
+            n = comm.num_shards
+            local = [strategy.experimental_local_results(c) for c in chunks[at:at + n]]  # [destination][replica]
+            at += n
+            out.append(_per_replica(strategy, comm.reduce_scatter(
+                [[local[r][i] for r in range(n)] for i in range(len(comm.devices))]), comm.shard_ids[0]))
+        return tuple(out)
 
 
 class _LastIssued(threading.local):
@@ -196,6 +225,12 @@ class _LastIssued(threading.local):
 
 
 _last = _LastIssued()
+
+
+def _fresh(x: tf.Tensor) -> tf.Tensor:
+    """A new tensor equal to `x`, where `x` is."""
+    with tf.device(x.device):
+        return tf.identity(x)
 
 
 def _per_replica(strategy, values: list, first: int):

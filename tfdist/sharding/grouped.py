@@ -69,14 +69,17 @@ class GroupedZeroEngine:
         self.group_indices = list(groups.values())
         self._where = {i: (g, j) for g, indices in enumerate(self.group_indices) for j, i in enumerate(indices)}
         self.engines = [
-            ZeroEngine(optimizer, [variables[i] for i in indices],
-                       ZeroConfig(stage, False, collectives(list(listed)), host_device),
-                       attach=False, shards_name=f"shards_{g}")
+            self._group_engine(optimizer, [variables[i] for i in indices],
+                               ZeroConfig(stage, False, collectives(list(listed)), host_device), g)
             for g, (listed, indices) in enumerate(groups.items())]
         for engine in self.engines:
             engine.clips_global_norm = False  # global_clipnorm: by the norm over every group (`_clip_global`)
         self._references: dict[int, tuple] = {}  # id(LogicalSlot) -> (slot, reference variable)
         self._attach(optimizer)
+
+    def _group_engine(self, optimizer, variables: list, config: ZeroConfig, group: int) -> ZeroEngine:
+        """The engine of one device group (a GroupedZero3Engine makes stage 3's)."""
+        return ZeroEngine(optimizer, variables, config, attach=False, shards_name=f"shards_{group}")
 
     @property
     def optimizer(self):

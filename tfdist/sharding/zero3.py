@@ -18,7 +18,7 @@ from tfdist.sharding.piece_state import PieceState
 from tfdist.sharding.zero import ZeroEngine
 from tfdist.sharding.zero3_layout import ParamShardLayout
 
-__all__ = ["Zero3Engine", "enable_stage3"]
+__all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
 
 
 class Zero3Engine(ZeroEngine):
@@ -41,10 +41,10 @@ class Zero3Engine(ZeroEngine):
         (3, 79, ['momentum', 'velocity'])
     """
 
-    def __init__(self, optimizer, variables: list, config: ZeroConfig):
-        self.params: list[FsdpParam] = []  # filled by enable_stage3 once the variables are converted
+    def __init__(self, optimizer, variables: list, config: ZeroConfig, **kwargs):
+        self.params: list[FsdpParam] = []  # filled by shard_parameters once the variables are converted
         self.units: list[FsdpUnit] = []
-        super().__init__(optimizer, variables, config)
+        super().__init__(optimizer, variables, config, **kwargs)  # attach/shards_name: for a GroupedZero3Engine
         self.reduce_scatters = True
 
     def _make_layout(self, shapes: list) -> ParamShardLayout:
@@ -116,6 +116,11 @@ class Zero3Engine(ZeroEngine):
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 
     def _step(self, strategy, grads, learning_rate) -> None:
+        self.step_pieces(strategy, grads, learning_rate)
+
+    def step_pieces(self, strategy, grads: list, learning_rate) -> None:
+        """Cross-replica context: `grads[j]` (per-replica values) are the replicas' gradient pieces of variable j;
+        clips, decays and updates every piece (public for a GroupedZero3Engine, one call per device group)."""
         n = len(self.comm.devices)
         local = strategy.experimental_local_results
         grads = [local(g) for g in grads]  # [variable][local replica]
@@ -212,8 +217,22 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     pieces and wraps each layer that owns some of them as an `FsdpUnit`."""
     variables = list(variables)
     _check_variables(variables)
-    units = _find_units(model, variables, config.unit_bytes)
+    units = find_units(model, variables, config.unit_bytes)
     engine = Zero3Engine(optimizer, variables, config)
+    shard_parameters(engine, variables, config)
+    param_of = {id(v): p for v, p in zip(variables, engine.params)}
+    for layer, owned in units:
+        engine.units.append(FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], config.collectives,
+                                     reshard_after_forward=config.reshard_after_forward, prefetch=config.prefetch))
+    fsdp_keras.reset_step_functions(model)
+    return engine
+
+
+def shard_parameters(engine: Zero3Engine, variables: list, config: ZeroConfig) -> None:
+    """Replaces each of `variables`' replicated values (one copy per replica, on `config.collectives`'
+    devices) with an `FsdpParam` (piece r on replica r's device; the replicated copies are dropped) and builds
+    `engine`'s optimizer state over the pieces. The engine's units are the caller's to make."""
+    _check_variables(variables)
     comm, layout = config.collectives, engine.layout
 
     def build():
@@ -239,12 +258,6 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     engine.build_piece_state()
     for v, p in zip(variables, engine.params):
         keras_model.swap_variable_value(v, p)  # the replicated tf.Variable has no other holder: freed
-    param_of = {id(v): p for v, p in zip(variables, engine.params)}
-    for layer, owned in units:
-        engine.units.append(FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm,
-                                     reshard_after_forward=config.reshard_after_forward, prefetch=config.prefetch))
-    fsdp_keras.reset_step_functions(model)
-    return engine
 
 
 def keras_optimizer_value(variable) -> tf.Tensor:
@@ -260,10 +273,11 @@ def _check_variables(variables: list) -> None:
                           f"after every update: {bad}. Remove the constraints or use zero_stage=2.")
 
 
-def _find_units(model, variables: list, unit_bytes: int | None = None) -> list[tuple]:
+def find_units(model, variables: list, unit_bytes: int | None = None, whole=lambda layer: False) -> list[tuple]:
     """(layer, its trainable variables to shard) for the top-most layers that own some of `variables`
-    directly, or (with `unit_bytes`) whose weights, sublayers' included, total at most `unit_bytes`;
-    a unit includes the variables of its sublayers (like FSDP's size-based auto-wrap, top-down)."""
+    directly, or (with `unit_bytes`) whose weights, sublayers' included, total at most `unit_bytes`, or for
+    which `whole(layer)` is true; a unit includes the variables of its sublayers (like FSDP's size-based
+    auto-wrap, top-down)."""
     wanted = {id(v) for v in variables}
     units, seen = [], set()
 
@@ -274,6 +288,7 @@ def _find_units(model, variables: list, unit_bytes: int | None = None) -> list[t
         owned = [v for v in layer.trainable_variables if id(v) in wanted]
         small = unit_bytes is not None and owned and \
             sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in owned) <= unit_bytes
+        small = small or bool(owned and whole(layer))
         if small or any(id(v) in wanted for v in fsdp_keras.direct_trainable_variables(layer)):
             attributes = ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer")
             regularized = [v.path for v in owned if getattr(v, "regularizer", None) is not None] + [

@@ -20,7 +20,7 @@ from tfdist.placement.pipeline import check_batch
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
-from tfdist.sharding import GroupedZeroEngine, engine_of, register_engine
+from tfdist.sharding import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
 from tfdist.sharding.config import check_stage
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
@@ -69,8 +69,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             state is cut into R pieces (R rows), piece r on row r's copy of that variable (its shard's device, or
             the row's first device of its stage for replicated variables); each row updates its piece with the
             summed gradient and the updated variable is all-gathered to every row; 2: each row also keeps only
-            its piece of the summed gradient. Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as
-            `tfdist.MirroredStrategy`); checkpoints still hold the full logical state.
+            its piece of the summed gradient; 3 (in one process, rank-2 or rank-3 mesh): the parameters too, each
+            variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per layer for
+            its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP). Element-wise
+            optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`); checkpoints still hold
+            the full logical state.
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
     '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
@@ -113,7 +116,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         >>> print(strategy.placement_plan(model))      # layer -> stage, split layers, bytes per device, groups
 
     ZeRO over the batch axis (`zero_stage=1` or 2; across processes, one row per process): each row keeps 1/R of every
-    variable's optimizer state, on its own copy of the variable; checkpoints stay logical.
+    variable's optimizer state, on its own copy of the variable; checkpoints stay logical. `zero_stage=3` (one
+    process) also cuts the parameters and gradients into R pieces.
         >>> strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", zero_stage=1)
         >>> print(strategy.memory_report(model))       # after fit: optimizer bytes per device 1/R of stage 0's
     """
@@ -121,7 +125,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
                  placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
                  timeout_s: float = 60.0, zero_stage: int = 0):
-        self.zero_stage = check_stage(zero_stage, (0, 1, 2))
+        self.zero_stage = check_stage(zero_stage, (0, 1, 2, 3))
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
         if not isinstance(batch_dim_name, str):
@@ -144,6 +148,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
         rows = process_rows(self._grid)
+        if self.zero_stage == 3 and rows is not None:
+            raise ConfigError("zero_stage=3 on ModelParallelStrategy across processes is not supported yet; it runs "
+                              "on a mesh of this process's devices. Use zero_stage=2 (optimizer state and gradients "
+                              "sharded over the batch axis), or a mesh of one process's devices.")
         if rows is not None and self.zero_stage and len(rows.local_grid) > 1:
             raise ConfigError(f"zero_stage={self.zero_stage} across processes needs one mesh row per process; each "
                               f"process holds {len(rows.local_grid)} rows here. Give the mesh as many rows as "
@@ -301,9 +309,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # holds a functional model over the same layers: split once, by the outer one).
         models = sorted((m for m in list(self._models) if m.built), key=lambda m: -len(m.weights))
         models.sort(key=lambda m: getattr(m, "optimizer", None) is not optimizer)
+        target = None
         for model in models:
             if any(id(v) in ids for v in model.trainable_variables):
                 self.shard(model)
+                target = model
                 break
         expanded = []
         for v in variables:
@@ -318,9 +328,17 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # Before Keras' build creates the slots; a LossScaleOptimizer's inner optimizer is the one sharded.
         if self.zero_stage and engine_of(optimizer) is None and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
-            register_engine(optimizer, GroupedZeroEngine(
-                optimizer, variables, [[c.device for c in self.experimental_local_results(tf_variable(v))]
-                                       for v in variables], self.zero_stage, **self._zero_collectives()))
+            devices = [[c.device for c in self.experimental_local_results(tf_variable(v))] for v in variables]
+            if self.zero_stage == 3:  # parameters too: pieces gathered per layer (an attention as one unit)
+                if target is None:
+                    raise ConfigError("zero_stage=3 shards the parameters of a Keras model created inside the "
+                                      "strategy's scope; the optimizer is being built for variables of no such model. "
+                                      "Create the model (and compile it) inside `with strategy.scope():`.")
+                engine = GroupedZero3Engine(optimizer, variables, devices, target, **self._zero_collectives(),
+                                            whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention))
+            else:
+                engine = GroupedZeroEngine(optimizer, variables, devices, self.zero_stage, **self._zero_collectives())
+            register_engine(optimizer, engine)
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           functools.partial(self._slot_reference, optimizer))

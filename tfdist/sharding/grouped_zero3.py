@@ -1,0 +1,101 @@
+"""GroupedZero3Engine: ZeRO stage 3 when each variable's replica copies live on their own devices (tensor parallelism)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from tfdist._compat import fsdp_keras, keras_optimizer
+from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
+from tfdist.errors import ConfigError
+from tfdist.sharding.config import ZeroConfig
+from tfdist.sharding.fsdp_unit import FsdpUnit
+from tfdist.sharding.grouped import GroupedZeroEngine
+from tfdist.sharding.zero3 import Zero3Engine, find_units, shard_parameters
+
+__all__ = ["GroupedZero3Engine"]
+
+
+class GroupedZero3Engine(GroupedZeroEngine):
+    """ZeRO-3 (parameters, gradients and optimizer state cut into one piece per replica) over device groups.
+
+    Under tensor parallelism a replica (a mesh row) spans several devices; `devices[i][r]` is where row r's copy
+    of variable i lives (a shard k of a split variable: the row's k-th device; a replicated variable: the row's
+    first device). As `GroupedZeroEngine` does for stages 1 and 2, the variables are grouped by their device
+    list and each group is the existing stage-3 engine (`Zero3Engine`) over its own R devices: every variable of
+    the group becomes an `FsdpParam` whose piece r lives on row r's copy's device, and its optimizer state is
+    built over the pieces. So a device holds 1/R of the parameters, gradients and optimizer state of the
+    variables it held at stage 0, and nothing ever leaves the devices of its group.
+
+    The units are `FsdpUnit`s, one per layer that owns weights (a `whole(layer)` layer, e.g. an attention whose
+    query, key and value projections compute together, is one unit with its sublayers). A unit's weights may
+    sit in several groups (a column-parallel Dense: kernel and bias shard k in group k): its forward makes one
+    merge_call in which each group all-gathers its pieces onto each row's device of that group, the split
+    layer computes from the gathered shards (`shards[role][k]` read through a `keras.StatelessScope`), and they
+    are freed; its backward gathers again, recomputes, and reduce-scatters each group's weight gradients into
+    its pieces. The optimizer step is one merge_call in which every group's engine updates its own pieces.
+
+    Example:
+        >>> engine = tfdist.sharding.engine_of(model)   # ModelParallelStrategy(..., zero_stage=3) on 2 x 2, after fit
+        >>> engine.stage, [len(d) for d in engine.group_devices]   # R = 2 rows per group
+        (3, [2, 2, 2])
+    """
+
+    def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], model,
+                 host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
+                 collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
+                 whole: Callable[[object], bool] = lambda layer: False):
+        if optimizer.global_clipnorm:
+            raise ConfigError(f"global_clipnorm={optimizer.global_clipnorm} at zero_stage=3 on ModelParallelStrategy "
+                              "is not supported yet (the norm would be taken per device group). Use clipnorm (per "
+                              "variable) or clipvalue, or zero_stage=2, which clips by the norm over every group.")
+        units = find_units(model, list(variables), None, whole)  # errors before anything changes
+        super().__init__(optimizer, variables, devices, 3, host_device, collectives)
+        comm_of, param_of = {}, {}
+        for engine in self.engines:
+            shard_parameters(engine, engine.variables, engine.config)
+            for v, p in zip(engine.variables, engine.params):
+                comm_of[id(v)], param_of[id(v)] = engine.comm, p
+        self.units = [FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm_of[id(owned[0])],
+                               comms=[comm_of[id(v)] for v in owned]) for layer, owned in units]
+        fsdp_keras.reset_step_functions(model)
+
+    def _group_engine(self, optimizer, variables: list, config: ZeroConfig, group: int) -> Zero3Engine:
+        return Zero3Engine(optimizer, variables, config, attach=False, shards_name=f"shards_{group}")
+
+    @property
+    def params(self) -> list:
+        """Every variable's `FsdpParam` (its pieces, one per row), in the optimizer's order."""
+        found = {}
+        for engine, indices in zip(self.engines, self.group_indices):
+            found.update(zip(indices, engine.params))
+        return [found[i] for i in range(len(self.variables))]
+
+    # --- one training step -----------------------------------------------------------------
+    def apply(self, grads: list, variables: list) -> None:
+        """Replica context: `grads` are this row's reduce-scattered gradient pieces (the units' backward)."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or tf.distribute.in_cross_replica_context():
+            raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
+                              "as model.fit does.")
+        opt = self.optimizer
+        by_index = {keras_optimizer.variable_index(opt, v): g for g, v in zip(grads, variables)}
+        missing = [self.variables[i].path for i in range(len(self.variables)) if i not in by_index]
+        if missing:
+            raise ConfigError(f"ZeRO stage 3 needs a gradient for every trainable variable; none for {missing}. "
+                              "Set trainable=False on them.")
+        grads = [by_index[i] for i in range(len(self.variables))]
+        for g, v, p in zip(grads, self.variables, self.params):
+            if g.shape.rank != 1 or g.shape[0] not in (None, p.piece_size):
+                raise ConfigError(
+                    f"ZeRO stage 3: the gradient of {v.path} has shape {tuple(g.shape)}, not its piece's "
+                    f"({p.piece_size},): the model ran before its parameters were sharded. Build the optimizer "
+                    "before the first step, inside the scope: `optimizer.build(model.trainable_variables)` "
+                    "(model.fit does).")
+        ctx.merge_call(self._step, args=(grads, opt.learning_rate))
+
+    def _step(self, strategy, grads, learning_rate) -> None:
+        # Each group's Zero3Engine: clipping (per variable / value), decay, update_step, EMA on its own pieces.
+        for engine, indices in zip(self.engines, self.group_indices):
+            engine.step_pieces(strategy, [grads[i] for i in indices], learning_rate)
