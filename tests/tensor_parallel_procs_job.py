@@ -2,7 +2,7 @@
 
 Usage (under `tfdist launch -n 2 --devices-per-worker M`): python tensor_parallel_procs_job.py OUT [ROWS [MODELS]]
 Global mesh ROWS x (2M / ROWS) (default 2 x M: "batch" across the two processes, "model" inside each; ROWS = 4
-with M = 4 gives each process two rows). MODELS: comma-separated run tags (default: all). Writes
+with M = 4 gives each process two rows). MODELS: comma-separated run tags (default: every zero_stage=0 run). Writes
 OUT/rank{r}.json with, per run, the split model's logical weights, the one-device reference's, evaluate and predict
 results; the chief also writes OUT/mlp.keras.
 """
@@ -72,6 +72,17 @@ def cnn_layout(mesh):
     return layout_map
 
 
+def rows_reversed(devices: list, cols: int) -> list:
+    """The same devices with each process's rows in reverse device order (row 0 of process 0 on CPU:2, CPU:3 of a
+    4 x 2 mesh): TF ranks a collective group's members by device index, not by mesh row."""
+    per = len(devices) // 2
+    out = []
+    for start in range(0, len(devices), per):
+        block = [devices[start + i:start + i + cols] for i in range(0, per, cols)]
+        out += [d for row in reversed(block) for d in row]
+    return out
+
+
 layouts = {"mlp": mlp_layout(mesh), "transformer": transformer_layout(mesh), "cnn": cnn_layout(mesh)}
 strategy = tfdist.ModelParallelStrategy(layouts["mlp"], batch_dim_name="batch", timeout_s=60)
 import keras
@@ -90,8 +101,15 @@ BUILD = {"mlp": mlp, "transformer": transformer_block,
 LOSS = {"mlp": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         "transformer": lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         "cnn": lambda: "sparse_categorical_crossentropy"}
-RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
-        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01)), ("cnn", "sgd", lambda: keras.optimizers.SGD(0.1))]
+# (model, optimizer tag, optimizer, zero_stage). Stage 0 also runs Keras' EMA (its overwrite every 3 steps) and
+# global_clipnorm (0.05: below the gradient's norm, every step clips), which need the summed gradient across rows.
+RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1), 0), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01), 0),
+        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01), 0),
+        ("cnn", "sgd", lambda: keras.optimizers.SGD(0.1), 0),
+        ("mlp", "adam-ema", lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3), 0),
+        ("mlp", "sgd-clip", lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05), 0),
+        ("mlp", "adam-zero1", lambda: keras.optimizers.Adam(0.01), 1),
+        ("mlp", "adam-zero2", lambda: keras.optimizers.Adam(0.01), 2)]
 
 
 def logical(model, strategy_=None) -> dict:
@@ -116,12 +134,19 @@ def fit(name, optimizer, strategy_):
 record = {"rank": rank, "local_devices": list(strategy.extended.worker_devices),
           "num_replicas": strategy.num_replicas_in_sync, "mesh_rows": strategy.mesh_rows}
 wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else None
-for name, opt_name, optimizer in RUNS:
+strategies = {("mlp", 0): strategy}
+for name, opt_name, optimizer, stage in RUNS:
     tag = f"{name}-{opt_name}"
-    if wanted is not None and tag not in wanted:
+    if (wanted is None and stage) or (wanted is not None and tag not in wanted):  # default: the stage-0 runs
         continue
-    if name != "mlp":  # one strategy per model's layout map (each one's collective keys are its own)
-        strategy = tfdist.ModelParallelStrategy(layouts[name], batch_dim_name="batch", timeout_s=60)
+    if (name, stage) not in strategies:  # one strategy per layout map and stage (each one's collective keys its own)
+        layout = layouts[name]
+        if stage == 2 and rows > 2:  # several rows per process: ZeRO-2 on a mesh whose rows run against device order
+            cols = len(devices) // rows
+            layout = mlp_layout(tfdist.DeviceMesh((rows, cols), ("batch", "model"), rows_reversed(devices, cols)))
+        strategies[name, stage] = tfdist.ModelParallelStrategy(layout, batch_dim_name="batch", timeout_s=60,
+                                                               zero_stage=stage)
+    strategy = strategies[name, stage]
     reference, ref_loss = fit(name, optimizer, None)
     split, loss = fit(name, optimizer, strategy)
     x, y, batch = DATA[name]
@@ -130,6 +155,11 @@ for name, opt_name, optimizer in RUNS:
              "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
              "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
              "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist()}
+    engine = tfdist.sharding.engine_of(split)
+    if engine is not None:  # ZeRO: this process's slot pieces (shape, device) and each group's local copies
+        entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
+        entry["groups"] = engine.group_devices
+        entry["mesh_rows"] = strategy.mesh_rows
     if tag == "mlp-adam":
         plan = strategy.shard_plan(split)
         entry["shards"] = {f"{s.name}/{role}": [[list(v.shape), [c.device for c in v.value.values]] for v in vs]

@@ -1,9 +1,11 @@
 """ModelParallelStrategy with the mesh's batch axis across processes (issue 14: "two workers x 2 devices").
 
 One real launch (2 processes x 2 logical CPUs on loopback, global mesh 2 x 2: "batch" across the processes, "model"
-inside each; tests/tensor_parallel_procs_job.py) checks `fit` of the MLP (SGD and Adam), the Transformer block
-(Adam) and the example CNN against one device on the same global batches, identical workers, evaluate/predict,
-the chief's `.keras` file in plain Keras, and where the shards live. The bad meshes are refused before anything
+inside each; tests/tensor_parallel_procs_job.py) checks `fit` of the MLP (SGD and Adam; Adam with Keras' EMA, SGD
+with global_clipnorm), the Transformer block (Adam) and the example CNN against one device on the same global
+batches, identical workers, evaluate/predict, the chief's `.keras` file in plain Keras, and where the shards live.
+A second (2 processes x 4 devices, mesh 4 x 2: two rows per process) checks the local-then-global sum and ZeRO
+stages 1 and 2 against stage 0 and one device. The bad meshes are refused before anything
 starts, so those tests need no launch.
 """
 
@@ -24,7 +26,8 @@ from tfdist.errors import ConfigError, InitOrderError
 
 JOB = os.path.join(os.path.dirname(__file__), "tensor_parallel_procs_job.py")
 TASK = "/job:worker/replica:0/task:{}/device:CPU:{}"
-TAGS = ("mlp-sgd", "mlp-adam", "transformer-adam", "cnn-sgd")
+TAGS = ("mlp-sgd", "mlp-adam", "transformer-adam", "cnn-sgd", "mlp-adam-ema", "mlp-sgd-clip")  # the job's stage 0 runs
+ROW_TAGS = ("mlp-sgd", "mlp-adam", "mlp-adam-zero1", "mlp-adam-zero2")  # 2 processes x 4 devices, mesh 4 x 2
 
 PLAIN_KERAS = """
 import json, sys
@@ -68,7 +71,7 @@ def test_fit_across_two_processes_equals_one_device_and_workers_stay_identical(j
         for path in got:
             np.testing.assert_array_equal(got[path], other[path], err_msg=f"{tag} {path}: workers differ")
             diff = float(np.max(np.abs(got[path] - ref[path])))
-            if tag.endswith("sgd"):
+            if "sgd" in tag:
                 assert diff <= 1e-5, (tag, path, diff)
             elif path == "mha/key/bias":
                 # Softmax ignores a per-key constant: this bias's true gradient is 0 and what reaches it is rounding
@@ -132,14 +135,22 @@ def test_each_process_holds_one_row_and_its_shards_on_its_own_devices(job):
         assert shards["up2/bias"] == [[[16], [TASK.format(rank, 0)]], [[16], [TASK.format(rank, 1)]]]
 
 
-@pytest.mark.slow
-def test_two_rows_per_process_sum_locally_then_across_processes(tmp_path):
-    # 2 processes x 4 devices, mesh 4 x 2: each process holds two rows; a gradient is summed over them first.
+@pytest.fixture(scope="module")
+def rows_job(tmp_path_factory):
+    """2 processes x 4 devices, mesh 4 x 2: each process holds two rows. The MLP with SGD and Adam at stage 0, and
+    Adam at zero_stage 1 and 2 (each column's state in 4 pieces, two of them in each process)."""
+    out = tmp_path_factory.mktemp("tp_rows")
     log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(tmp_path), "4", "mlp-sgd"], 2, devices_per_worker=4, out=log,
+    rc = launch([sys.executable, JOB, str(out), "4", ",".join(ROW_TAGS)], 2, devices_per_worker=4, out=log,
                 timeout_s=300, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
-    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_rows_per_process_sum_locally_then_across_processes(rows_job):
+    # A gradient is summed over the process's two rows first, then across the processes.
+    records = rows_job
     for rank, record in enumerate(records):
         assert record["num_replicas"] == 4
         assert record["mesh_rows"] == [[TASK.format(rank, 0), TASK.format(rank, 1)],
@@ -149,6 +160,38 @@ def test_two_rows_per_process_sum_locally_then_across_processes(tmp_path):
             assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-5, path
             np.testing.assert_array_equal(got[path], arrays(records[0]["mlp-sgd"]["weights"])[path])
         assert record["mlp-sgd"]["evaluate"] == records[0]["mlp-sgd"]["evaluate"]
+
+
+@pytest.mark.slow
+def test_zero_with_two_rows_per_process_equals_stage_0_and_one_device_on_both_processes(rows_job):
+    """ZeRO's per-column groups span both local rows and the other process's: stage 1 (R = 4: stage 0's all-reduce,
+    then each row slices its piece) and stage 2 (all-to-all reduce-scatter) give stage 0's weights, identical on
+    both processes, each piece on this process's own devices. Stage 2 runs on a mesh whose local rows go against
+    device order (TF ranks a group's members by device index: a piece's index must follow that rank)."""
+    records = rows_job
+    for rank, record in enumerate(records):
+        assert record["mlp-adam-zero1"]["mesh_rows"] == record["mesh_rows"]
+        assert record["mlp-adam-zero2"]["mesh_rows"] == [[TASK.format(rank, 2), TASK.format(rank, 3)],
+                                                         [TASK.format(rank, 0), TASK.format(rank, 1)]]
+    zero = arrays(records[0]["mlp-adam"]["weights"])
+    for tag in ("mlp-adam-zero1", "mlp-adam-zero2"):
+        got, ref = arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"])
+        assert set(got) == set(zero) == set(ref), tag
+        for path in got:
+            np.testing.assert_array_equal(got[path], arrays(records[1][tag]["weights"])[path], err_msg=f"{tag} {path}")
+            scale = max(float(np.max(np.abs(zero[path]))), 1e-3)
+            assert float(np.max(np.abs(got[path] - zero[path]))) <= 1e-4 * scale, (tag, path)
+            assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-4 * scale, (tag, path)
+        assert records[0][tag]["loss"] == records[1][tag]["loss"], tag
+        np.testing.assert_allclose(records[0][tag]["loss"], records[0]["mlp-adam"]["loss"], rtol=1e-5)
+        for rank, record in enumerate(records):
+            # two groups (model positions), each with this process's two rows' copies; Adam's two slots per group
+            # cut into 4 pieces (1109 and 992 elements), two of each here, on this process's devices
+            assert [len(g) for g in record[tag]["groups"]] == [2, 2], tag
+            pieces = record[tag]["pieces"]
+            assert sorted(p[0][0] for p in pieces) == [248] * 4 + [278] * 4, (tag, pieces)
+            assert {p[1] for p in pieces} == {TASK.format(rank, i) for i in range(4)}, (tag, pieces)
+    assert not np.allclose(zero["up1/kernel"], arrays(records[0]["mlp-sgd"]["weights"])["up1/kernel"])  # trained
 
 
 DIFFERENT_MODELS = """

@@ -5,6 +5,8 @@
   devices, slots remembered) in one: each local mesh row is a replica, and replicas of every process count.
 - `device_launchers`: one TF collective launcher per local device, each in its own group of the same device
   position in every process (group keys from the strategy's key base, so every process agrees on them).
+- `column_launchers`: one launcher per device of one column of the mesh (several rows per process), in a group of
+  that column's devices in every process (ZeRO's groups over the batch axis).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from tfdist._compat.distribute import (
     collective_key_base,
 )
 
-__all__ = ["RowsExtended", "device_launchers"]
+__all__ = ["RowsExtended", "column_launchers", "device_launchers"]
 
 # Group keys of the per-device groups: three quarters of a key stride above the strategy's base (its own
 # MirroredExtended groups count from base + 1, tfdist's ZeRO launchers from base + stride / 2).
 _DEVICE_GROUP_OFFSET = 3 * _KEY_STRIDE // 4
+# ZeRO's column groups (`column_launchers`): seven eighths of a stride above the base, one key per column.
+_COLUMN_GROUP_OFFSET = 7 * _KEY_STRIDE // 8
 
 
 class RowsExtended(MultiProcessExtended, PlacementExtended):
@@ -56,5 +60,24 @@ def device_launchers(strategy, devices: Sequence[str], group_size: int, timeout_
         if device in tokens:
             launcher._ordering_token = tokens[device]
         tokens.setdefault(device, launcher._ordering_token)
+        launchers.append(launcher)
+    return launchers
+
+
+def column_launchers(strategy, devices: Sequence[str], column: int, group_size: int, timeout_s: float,
+                     ordered_with: Sequence) -> list:
+    """One CollectiveReplicaLauncher per device of `devices` (this process's devices of mesh column `column`, one
+    per local row), all in group `base + offset + 1 + column` of `group_size` members: the column's devices in
+    every process. Each shares the ordering token of `ordered_with[i]` (the strategy's launcher on the same device),
+    so every collective on a device runs in program order. TF ranks a group's members by task, then device index."""
+    keys = _cross_device_utils.CollectiveKeys(
+        group_key_start=1 + collective_key_base(strategy) + _COLUMN_GROUP_OFFSET + int(column))
+    group_key = keys.get_group_key(list(devices))
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING, timeout_seconds=timeout_s)
+    launchers = []
+    for device, own in zip(devices, ordered_with):
+        launcher = _cross_device_utils.CollectiveReplicaLauncher(group_key, group_size, keys, device, options)
+        launcher._ordering_token = own._ordering_token
         launchers.append(launcher)
     return launchers

@@ -10,8 +10,10 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
-__all__ = ["apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum", "learning_rate_variable", "optimizer_hooks",
-           "optimizer_strategy", "override_sharded_state", "record_slot_creation", "reindex", "track_variable",
+__all__ = ["apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum",
+           "learning_rate_variable", "moving_averages", "optimizer_hooks", "optimizer_strategy",
+           "override_apply_gradients", "override_sharded_state", "overwrite_with_average", "record_slot_creation",
+           "reindex", "stock_apply_gradients", "track_variable", "trained_variables", "update_variables",
            "uses_weight_decay", "variable_index"]
 
 # --- The build hooks ----------------------------------------------------------------------------------
@@ -144,6 +146,28 @@ def apply_weight_decay(optimizer, variables: list) -> None:
     optimizer._apply_weight_decay(variables)
 
 
+def update_variables(optimizer, strategy, grads_and_vars: list, learning_rate) -> None:
+    """Keras' own update of each (reduced gradient, tf.Variable) pair through `strategy.extended.update`
+    (TFOptimizer._distributed_tf_update_step); cross-replica context."""
+    optimizer._distributed_tf_update_step(strategy, grads_and_vars, learning_rate)
+
+
+def trained_variables(optimizer) -> list:
+    """The variables the optimizer was built with, in its order (what its EMA averages follow)."""
+    return list(optimizer._trainable_variables)
+
+
+def moving_averages(optimizer) -> list:
+    """The EMA "average" slots (`use_ema`), one per built variable (None where Keras keeps none)."""
+    return list(optimizer._model_variables_moving_average)
+
+
+def overwrite_with_average(optimizer) -> None:
+    """Keras' copy of the EMA averages into the model's variables (TFOptimizer's version: one
+    `extended.update` per variable, which needs no merge_call in cross-replica context)."""
+    optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables)
+
+
 def uses_weight_decay(optimizer, variable) -> bool:
     """Whether Keras' decoupled weight decay applies to `variable` (exclude_from_weight_decay)."""
     return bool(optimizer._use_weight_decay(variable))
@@ -173,6 +197,18 @@ def override_sharded_state(optimizer, *, add_slot: Callable, apply_gradients: Ca
     _bind(optimizer, "_backend_apply_gradients", apply_gradients)
     _bind(optimizer, "load_own_variables", load_own_variables)
     _bind(optimizer, "_overwrite_model_variables_with_average_value", overwrite_with_average)
+
+
+def override_apply_gradients(optimizer, apply_gradients: Callable) -> None:
+    """Makes this one optimizer instance send its gradients (unscaled, None filtered; Keras'
+    `_backend_apply_gradients`: clipping, decay, the update, accumulation and EMA) to
+    `apply_gradients(optimizer, grads, variables)`; `stock_apply_gradients` still runs Keras' own."""
+    _bind(optimizer, "_backend_apply_gradients", apply_gradients)
+
+
+def stock_apply_gradients(optimizer, grads: list, variables: list) -> None:
+    """Keras' own `_backend_apply_gradients` of the optimizer's class (whatever the instance overrides)."""
+    type(optimizer)._backend_apply_gradients(optimizer, grads, variables)
 
 
 def track_variable(optimizer, variable) -> None:

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist._compat.device_groups import column_launchers
 from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.comm.tf_shards import TFShardCollectives
 from tfdist.errors import ConfigError, check_seconds
@@ -22,6 +23,7 @@ from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
 from tfdist.sharding import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
 from tfdist.sharding.config import check_stage
+from tfdist.sharding.summed_update import SummedGradientUpdate
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel_procs import process_rows, start_processes
@@ -64,7 +66,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             micro_batches > 1.
         timeout_s: across processes only: seconds to wait for the other processes at start-up and in any one
             collective.
-        zero_stage: ZeRO over the batch axis (rank-2 or rank-3 mesh; across processes one row each): 0 (default)
+        zero_stage: ZeRO over the batch axis (rank-2 or rank-3 mesh; across processes rank-2): 0 (default)
             every row keeps the whole optimizer state of its variables; 1: each trainable variable's optimizer
             state is cut into R pieces (R rows), piece r on row r's copy of that variable (its shard's device, or
             the row's first device of its stage for replicated variables); each row updates its piece with the
@@ -73,7 +75,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per layer for
             its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP). Element-wise
             optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`); checkpoints still hold
-            the full logical state.
+            the full logical state. Every stage clips the summed gradient (`clipnorm`, `clipvalue`,
+            `global_clipnorm`) and runs Keras' `use_ema` as one device does.
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
     '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
@@ -115,9 +118,9 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
         >>> print(strategy.placement_plan(model))      # layer -> stage, split layers, bytes per device, groups
 
-    ZeRO over the batch axis (`zero_stage=1` or 2; across processes, one row per process): each row keeps 1/R of every
-    variable's optimizer state, on its own copy of the variable; checkpoints stay logical. `zero_stage=3` (one
-    process) also cuts the parameters and gradients into R pieces.
+    ZeRO over the batch axis (`zero_stage=1` or 2; across processes too, with any rows per process): each row keeps
+    1/R of every variable's optimizer state, on its own copy of the variable; checkpoints stay logical.
+    `zero_stage=3` (one process) also cuts the parameters and gradients into R pieces.
         >>> strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", zero_stage=1)
         >>> print(strategy.memory_report(model))       # after fit: optimizer bytes per device 1/R of stage 0's
     """
@@ -147,15 +150,12 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
+        self._column_launchers: dict[tuple, list] = {}  # ZeRO across processes, several rows each: per column
         rows = process_rows(self._grid)
         if self.zero_stage == 3 and rows is not None:
             raise ConfigError("zero_stage=3 on ModelParallelStrategy across processes is not supported yet; it runs "
                               "on a mesh of this process's devices. Use zero_stage=2 (optimizer state and gradients "
                               "sharded over the batch axis), or a mesh of one process's devices.")
-        if rows is not None and self.zero_stage and len(rows.local_grid) > 1:
-            raise ConfigError(f"zero_stage={self.zero_stage} across processes needs one mesh row per process; each "
-                              f"process holds {len(rows.local_grid)} rows here. Give the mesh as many rows as "
-                              "processes (e.g. DeviceMesh((processes, devices_per_process), ...)), or zero_stage=0.")
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
             if self._groups is not None:
                 raise ConfigError(f"a mesh with a {stage_dim_name!r} axis (pipeline stages) across processes is not "
@@ -339,6 +339,9 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             else:
                 engine = GroupedZeroEngine(optimizer, variables, devices, self.zero_stage, **self._zero_collectives())
             register_engine(optimizer, engine)
+        # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
+        if not self.zero_stage and SummedGradientUpdate.needed(optimizer):
+            SummedGradientUpdate.attach(optimizer)
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           functools.partial(self._slot_reference, optimizer))
@@ -346,15 +349,26 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def _zero_collectives(self) -> dict:
         """The GroupedZeroEngine's host device and collectives: device copies in one process; across processes
-        (one row each) the group of each device position, whose members are the rows in rank order."""
+        the group of each mesh column (a group's devices: one per row), whose members are the rows in rank order:
+        with one row per process the strategy's group of that device position, with several a group of its own."""
         if self.size == 1:
             return {"collectives": LocalCollectives}
         host = tf.DeviceSpec.from_string(self._grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
 
         def collectives(devices: list[str]) -> TFShardCollectives:
-            launchers = [self.extended.launcher_for(d) for d in devices]
-            return TFShardCollectives.over_launchers(launchers, [self._first_row + i for i in range(len(devices))],
-                                                     self.size * len(self._grid), self.timeout_s)
+            own = [self.extended.launcher_for(d) for d in devices]
+            if len(devices) == 1:
+                return TFShardCollectives.over_launchers(own, [self._first_row], self.size, self.timeout_s)
+            # TF ranks a group's members by process, then device index: each local copy's piece is its rank.
+            order = sorted(range(len(devices)), key=lambda i: _position(devices[i]))
+            shard_ids = [self._first_row + order.index(i) for i in range(len(devices))]
+            launchers = self._column_launchers.get(tuple(devices))
+            if launchers is None:  # one group per column, shared by every optimizer of this strategy
+                column = min(_position(d)[1] for d in devices)  # a column's devices are its own: a unique key
+                launchers = column_launchers(self, devices, column, self.size * len(self._grid), self.timeout_s, own)
+                self._column_launchers[tuple(devices)] = launchers
+            return TFShardCollectives.over_launchers(launchers, shard_ids, self.size * len(self._grid),
+                                                     self.timeout_s)
 
         return {"host_device": host, "collectives": collectives}
 
@@ -384,3 +398,9 @@ def _knows_any(optimizer, variables) -> bool:
         except (KeyError, ValueError):
             continue
     return False
+
+
+def _position(device: str) -> tuple[str, int]:
+    """(device type, index) of a device name: how TF orders one process's members of a collective group."""
+    spec = tf.DeviceSpec.from_string(device)
+    return (spec.device_type or "CPU").upper(), int(spec.device_index or 0)

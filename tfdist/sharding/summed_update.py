@@ -1,0 +1,125 @@
+"""Stage 0 over several replicas: Keras' clipping and EMA on the summed gradient, in one merge_call, as ZeRO does.
+
+Stock Keras 3 clips each replica's own gradient before the all-reduce (local norms), and runs its EMA overwrite
+(`ema_overwrite_frequency`) in a `tf.cond` whose `extended.update` needs a merge_call, which fails when every
+replica step meets in a merge_call ("merge_call called while defining a new graph"). ZeRO's engines never had
+either problem: they reduce first and then clip, update and average in one cross-replica call
+(`tfdist.sharding.zero`, clipping in `tfdist.sharding.clipping`). `SummedGradientUpdate` gives stage 0 the same
+order, with Keras' own reduction and update: weights stay stage 0's where no clipping or EMA is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import tensorflow as tf
+
+from tfdist._compat import keras_optimizer
+from tfdist._compat.distribute import regroup_per_replica
+from tfdist.comm.shard_collectives import LocalCollectives
+from tfdist.sharding.clipping import clip_pieces
+from tfdist.sharding.zero import tf_variable
+
+__all__ = ["SummedGradientUpdate"]
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its SummedGradientUpdate
+
+
+class SummedGradientUpdate:
+    """Makes one Keras optimizer (zero_stage=0, under a strategy whose replicas meet in a merge_call) clip the
+    summed gradient and keep its EMA as one device with the global batch does.
+
+    A step: Keras' own all-reduce and weight decay in replica context, then one merge_call that clips every local
+    replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, clipvalue per element,
+    global_clipnorm by the norm over all of them; each replica holds the whole sum, so its norm needs no
+    collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
+    `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no merge_call
+    inside a `tf.cond`). Every process computes the same norms from the same summed values, so processes stay
+    bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
+
+    Example:
+        >>> optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0, use_ema=True, ema_overwrite_frequency=10)
+        >>> SummedGradientUpdate.needed(optimizer)
+        True
+        >>> SummedGradientUpdate.attach(optimizer)      # done by ModelParallelStrategy when the optimizer is built
+    """
+
+    def __init__(self, optimizer):
+        self._optimizer = weakref.ref(optimizer)  # the optimizer holds this object (its bound method), not the reverse
+        keras_optimizer.override_apply_gradients(
+            optimizer, lambda opt, grads, variables: self.apply(list(grads), list(variables)))
+
+    @staticmethod
+    def needed(optimizer) -> bool:
+        """Whether the optimizer asks for anything stock Keras does per replica (clipping) or cannot run over
+        several merge_call replicas (EMA); not with gradient accumulation (Keras' cond around the update)."""
+        asks = optimizer.use_ema or optimizer.clipnorm or optimizer.clipvalue or optimizer.global_clipnorm
+        return bool(asks) and not optimizer.gradient_accumulation_steps
+
+    @classmethod
+    def attach(cls, optimizer) -> SummedGradientUpdate:
+        """Attaches (once) to `optimizer`; returns the attached object."""
+        attached = _ATTACHED.get(optimizer)
+        if attached is None:
+            attached = _ATTACHED[optimizer] = cls(optimizer)
+        return attached
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    def apply(self, grads: list, variables: list) -> None:
+        """Keras' `_backend_apply_gradients` (unscaled, non-None gradients); outside a replica context Keras' own."""
+        opt = self.optimizer
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or tf.distribute.in_cross_replica_context():
+            keras_optimizer.stock_apply_gradients(opt, grads, variables)
+            return
+        tf_variables = [tf_variable(v) for v in variables]
+        grads = keras_optimizer.keras_all_reduce_sum(opt, grads, tf_variables)
+        keras_optimizer.apply_weight_decay(opt, variables)  # where Keras decays: before the update
+        ctx.merge_call(functools.partial(self._step, tf_variables), args=(grads, opt.learning_rate))
+
+    def _step(self, tf_variables: list, strategy, grads, learning_rate) -> None:
+        opt = self.optimizer
+        if opt.clipnorm or opt.clipvalue or opt.global_clipnorm:
+            grads = self._clip(strategy, list(grads))
+        keras_optimizer.update_variables(opt, strategy, list(zip(grads, tf_variables)), learning_rate)
+        if opt.use_ema:
+            self._ema(strategy)
+
+    def _clip(self, strategy, grads: list) -> list:
+        """Each local replica's copy of the summed gradients clipped as one device clips the global gradient."""
+        local = [strategy.experimental_local_results(g) for g in grads]  # [variable][local replica]
+        devices = [g.device for g in local[0]]  # one device of each replica (its first variable's)
+        clipped = []  # [local replica][variable]
+        for i, device in enumerate(devices):
+            with tf.device(device):  # the replica's norm next to its gradients
+                (row,) = clip_pieces(self.optimizer, LocalCollectives([device]), [[g[i] for g in local]])
+            clipped.append(row)
+        if len(devices) == 1:  # one local replica (or no strategy): plain values, as the update takes them
+            return clipped[0]
+        return [regroup_per_replica([clipped[i][j] for i in range(len(devices))]) for j in range(len(grads))]
+
+    def _ema(self, strategy) -> None:
+        """Keras' EMA on every copy of every variable (its formula, `_update_model_variables_moving_average`),
+        and its periodic overwrite of the model by the averages."""
+        opt = self.optimizer
+        iterations = tf.identity(opt.iterations)  # before this step's increment, as Keras reads it
+
+        def average_fn(average, variable):
+            momentum = tf.cast(tf.not_equal(iterations, 0), variable.dtype) * opt.ema_momentum
+            average.assign(momentum * average + (1 - momentum) * variable)
+
+        for variable, average in zip(keras_optimizer.trained_variables(opt), keras_optimizer.moving_averages(opt)):
+            if average is not None:
+                strategy.extended.update(tf_variable(average), average_fn, args=(tf_variable(variable),),
+                                         group=False)
+        if opt.ema_overwrite_frequency:
+            def overwrite():
+                keras_optimizer.overwrite_with_average(opt)
+                return tf.constant(True)
+
+            tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
+                    lambda: tf.constant(False))
