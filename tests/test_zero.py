@@ -138,7 +138,7 @@ def test_optimizers_zero1_and_zero2_match_stage0(name):
 
 
 @pytest.mark.parametrize("clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.001}])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 0: tfdist.sharding.summed_update (stock Keras clips per replica)
 def test_clipping_uses_the_global_gradient(clip, stage):
     # Reference: one device, same global batch: Keras clips the full (global) gradient there.
     tf.keras.utils.set_random_seed(0)
@@ -335,7 +335,7 @@ def test_gradient_accumulation_accumulates_the_reduced_shard(stage):
     assert any(np.any(a.numpy()) for a in accumulators)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 0: stock Keras' overwrite fails over merge_call replicas
 def test_ema_keeps_each_owner_average_of_its_shard(stage):
     opt = lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=7)  # noqa: E731
     ref = train_one_device(opt, steps=16)
@@ -344,5 +344,7 @@ def test_ema_keeps_each_owner_average_of_its_shard(stage):
     # overwrite every 7 steps changes the trajectory, so equal weights check both
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
     assert max_rel(_slots(ref.optimizer, "average"), _slots(model.optimizer, "average")) < 1e-4
+    if stage == 0:
+        return
     engine = tfdist.sharding.engine_of(model.optimizer)
     assert [tuple(a.shape) for a in engine.state.shards("average")] == [(engine.layout.shard_size,)] * 4

@@ -205,3 +205,17 @@ def test_bad_input_gives_config_errors(python):
         print("bad-input-ok")
     """)
     assert "bad-input-ok" in out.stdout
+
+
+def test_stage0_clips_the_summed_gradient_and_runs_keras_ema_as_one_device(tmp_path):
+    # Stock Keras clips each rank's own gradient before the all-reduce and cannot run its EMA overwrite over
+    # merge_call replicas; stage 0 takes ZeRO's order (tfdist.sharding.summed_update).
+    code, log = launch([sys.executable, os.path.join(HERE, "stage0_clip_worker.py"), str(tmp_path)])
+    assert code == 0, log[-3000:]
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    weights = lambda z, k: [z[f"{k}_{i}"] for i in range(4)]  # noqa: E731
+    strategy, single = weights(ranks[0], "strategy"), weights(ranks[0], "single")
+    assert max_rel(strategy, single) < 1e-5
+    assert max_rel(single, weights(ranks[0], "unclipped")) > 1e-2  # clipping (and the EMA) really acted
+    for a, b in zip(strategy, weights(ranks[1], "strategy")):
+        np.testing.assert_array_equal(a, b)

@@ -76,20 +76,19 @@ if ref != "-":
     record["slots_loaded"], record["w20_loaded"] = state(c), flat(c)
     c.fit(data, epochs=3, initial_epoch=2, verbose=0)
     record["w30_loaded"] = flat(c)
-# 5. Global-norm clipping: ZeRO clips the summed gradient, as one device with the global batch does
+# 5. Global-norm clipping: every stage clips the summed gradient, as one device with the global batch does
 # (stock Keras clips each replica's gradient). SGD with momentum: its steps scale with the gradient.
 clip = lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05)
-if stage:
-    clipped = build(optimizer=clip)
-    clipped.fit(data, epochs=1, verbose=0)
-    record["w_clip"] = flat(clipped)
-    if rank == 0:
-        single = build(scope=contextlib.nullcontext, optimizer=clip)  # no strategy: one device
-        single.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
-        record["w_clip_single"] = flat(single)
-        unclipped = build(scope=contextlib.nullcontext, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.5))
-        unclipped.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
-        record["w_unclipped_single"] = flat(unclipped)
+clipped = build(optimizer=clip)
+clipped.fit(data, epochs=1, verbose=0)
+record["w_clip"] = flat(clipped)
+if rank == 0:
+    single = build(scope=contextlib.nullcontext, optimizer=clip)  # no strategy: one device
+    single.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+    record["w_clip_single"] = flat(single)
+    unclipped = build(scope=contextlib.nullcontext, optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.5))
+    unclipped.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+    record["w_unclipped_single"] = flat(unclipped)
 # 6. AdamW (decoupled weight decay) with a learning-rate schedule under the mixed_float16 policy:
 # Keras wraps it in a LossScaleOptimizer, which ZeRO must see through (the inner optimizer is sharded).
 keras.mixed_precision.set_global_policy("mixed_float16")

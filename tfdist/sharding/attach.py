@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.sharding.config import ZeroConfig, check_unit_bytes
+from tfdist.sharding.summed_update import SummedGradientUpdate
 from tfdist.sharding.zero import ZeroEngine, tf_variable
 from tfdist.sharding.zero3 import enable_stage3
 
@@ -168,6 +169,10 @@ def _on_build(optimizer, variables) -> None:
             "model.compile) inside `with strategy.scope():`.")
     config = _strategies[target]
     if config is None or config.stage == 0:
+        # Stock Keras clips each replica's own gradient and cannot run its EMA overwrite over merge_call
+        # replicas; clip the summed gradient and average as ZeRO does, as one device with the global batch.
+        if target.num_replicas_in_sync > 1 and SummedGradientUpdate.needed(optimizer):
+            SummedGradientUpdate.attach(optimizer)
         return
     if config.stage == 3:
         _engines[optimizer] = enable_stage3(optimizer, list(variables), config, _model_of(target, variables))
