@@ -17,6 +17,7 @@ from tfdist.errors import ConfigError, check_seconds
 from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.pipeline import check_batch
+from tfdist.placement.tensor_parallel_span import RowDevices
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
@@ -24,7 +25,7 @@ from tfdist.sharding import GroupedZeroEngine, engine_of, register_engine
 from tfdist.sharding.config import check_stage
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
-from tfdist.strategies.model_parallel_procs import process_rows, start_processes
+from tfdist.strategies.model_parallel_procs import process_rows, row_span, start_processes
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -79,6 +80,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     gradients are summed over its rows and then across processes per device, so every process applies the same
     update. Variables start as rank 0's. Save with `tfdist.cluster.save_model(model, path)` on every process (the
     chief writes); `predict` returns each process's own part of every batch. See docs/tensor-parallel.md.
+
+    The model axis across processes: a mesh whose rows span processes (`DeviceMesh((1, P * M), ...)` over
+    `tfdist.cluster.list_devices()`, or B rows of P / B processes each) runs SPMD like Megatron-LM: each process
+    creates and computes only its own shards, the processes of a row read the same data, the split layers'
+    sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -144,6 +150,9 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
         rows = process_rows(self._grid)
+        self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.cluster.save_model
+        if self.saves_collectively:
+            _check_span_options(self.zero_stage, self._groups, stage_dim_name)
         if rows is not None and self.zero_stage and len(rows.local_grid) > 1:
             raise ConfigError(f"zero_stage={self.zero_stage} across processes needs one mesh row per process; each "
                               f"process holds {len(rows.local_grid)} rows here. Give the mesh as many rows as "
@@ -156,6 +165,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             make_extended, self._server = start_processes(self, rows, self.timeout_s)
             self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
             tf_distribute.init_strategy(self, make_extended)
+            if self.saves_collectively:  # the model axis across processes: this process's part of its row
+                self._grid = [RowDevices(rows.local_grid[0], row_span(self, rows))]
             return
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.
@@ -356,6 +367,18 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
                     if kv is variable and role in split.shards:
                         return split.shards[role]
         return None
+
+
+def _check_span_options(zero_stage: int, groups, stage_dim_name: str) -> None:
+    """A mesh row across processes (the model axis across processes) runs stage 0 on a rank-2 mesh only."""
+    if zero_stage:
+        raise ConfigError(f"zero_stage={zero_stage} with the model axis across processes (a mesh row that spans "
+                          "processes) is not supported: its optimizer state is already split with the shards. Use "
+                          "zero_stage=0, or a mesh whose rows each stay inside one process.")
+    if groups is not None:
+        raise ConfigError(f"a mesh with a {stage_dim_name!r} axis (pipeline stages) whose rows span processes is not "
+                          "supported: use a rank-2 (batch, model) mesh for the model axis across processes, or a "
+                          "rank-3 mesh of one process's devices.")
 
 
 def _knows_any(optimizer, variables) -> bool:
