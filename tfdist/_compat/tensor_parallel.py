@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfdist._compat.keras_model import swap_variable_value
 from tfdist._compat.tf_runtime import SavedTensor
 
-__all__ = ["LogicalView", "attention_projections", "bind_method", "optimizer_trainables", "override_checkpoint_children",
+__all__ = ["LogicalView", "attention_projections", "bind_method", "consumers", "model_output_layers", "optimizer_trainables", "override_checkpoint_children",
            "own_variables", "replace_variable", "set_logical_view", "tracked_list", "wrap_compute_attention"]
 
 
@@ -46,10 +46,15 @@ class LogicalView(SavedTensor):
 
     Stands behind the layer's original Keras variable: `.numpy()`, `assign`, `.keras` save/load and
     `tf.train.Checkpoint` (saved as one tensor of the full shape) go through it.
+
+    A row across processes: `shards` are this process's, pieces `first`.. of `parts`, and `gather(local, axis)`
+    (a collective every process of the row calls) gives the whole value; a write keeps this process's pieces.
     """
 
-    def __init__(self, shards: Sequence, axis: int, shape: tuple, dtype, save_device: str, name: str = "logical"):
+    def __init__(self, shards: Sequence, axis: int, shape: tuple, dtype, save_device: str, name: str = "logical",
+                 gather: Callable | None = None, first: int = 0, parts: int | None = None):
         self.shards, self.axis = list(shards), axis
+        self.gather, self.first, self.parts = gather, first, parts or len(self.shards)
         self._shared_name = name  # what Keras' Variable reports to tf.train.Checkpoint as its name
         self.shape = tf.TensorShape(shape)
         self.dtype = tf.as_dtype(dtype)
@@ -58,7 +63,8 @@ class LogicalView(SavedTensor):
 
     def read(self) -> tf.Tensor:
         with tf.device(self.save_device):
-            return tf.concat([tf.convert_to_tensor(s.value) for s in self.shards], axis=self.axis)
+            local = tf.concat([tf.convert_to_tensor(s.value) for s in self.shards], axis=self.axis)
+            return local if self.gather is None else self.gather(local, self.axis)
 
     def write(self, value) -> None:
         value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -66,7 +72,8 @@ class LogicalView(SavedTensor):
             raise ValueError(f"value of shape {value.shape} for a variable of shape {self.shape}")
         if not value.shape.is_fully_defined():  # a checkpoint restore reads it inside a graph
             value = tf.ensure_shape(value, self.shape)
-        for shard, part in zip(self.shards, tf.split(value, len(self.shards), axis=self.axis)):
+        pieces = tf.split(value, self.parts, axis=self.axis)[self.first:self.first + len(self.shards)]
+        for shard, part in zip(self.shards, pieces):
             shard.assign(part)
 
     # the parts of the tf.Variable interface Keras' Variable forwards to its backend value
@@ -91,6 +98,16 @@ class LogicalView(SavedTensor):
 
     def __repr__(self) -> str:
         return f"<LogicalView shape={self.shape} over {len(self.shards)} shards (axis {self.axis})>"
+
+
+def consumers(layer) -> list:
+    """The operations (layers, or Keras ops of a functional model) that read `layer`'s symbolic outputs."""
+    return [node.operation for node in layer._outbound_nodes]
+
+
+def model_output_layers(model) -> list:
+    """The layers whose outputs a functional (or Sequential) model returns."""
+    return [t._keras_history.operation for t in tf.nest.flatten(getattr(model, "outputs", None) or [])]
 
 
 def set_logical_view(keras_variable, view: LogicalView) -> None:

@@ -8,8 +8,10 @@ import tensorflow as tf
 
 __all__ = ["collective_bytes", "collective_counts"]
 
-# name scope of an exchange -> the op types that carry it (see tensor_parallel_ops)
-KINDS = {"tp_all_reduce": ("AddN",), "tp_all_gather": ("ConcatV2",), "tp_scatter": ("Split", "SplitV")}
+# name scope of an exchange -> the op types that carry it (see tensor_parallel_ops): inside a process a sum or a
+# concat on the home device; across processes the row's collective (its local sum or concat sits outside the scope)
+KINDS = {"tp_all_reduce": ("AddN", "CollectiveReduceV2"), "tp_all_gather": ("ConcatV2", "CollectiveGatherV2"),
+         "tp_scatter": ("Split", "SplitV")}
 
 
 def _scope(op_type: str, name: str) -> str | None:

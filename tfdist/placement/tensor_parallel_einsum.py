@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfdist.placement.tensor_parallel_ops import (copy_to_shards, gather_from_shards, on_device, on_device_many,
                                                   reduce_from_shards, remember_shards, shards_of, split_to_shards)
+from tfdist.placement.tensor_parallel_span import gathers_lazily, logical_value, position, row_size
 
 __all__ = ["einsum_column", "einsum_row", "fuse_projections", "layer_split_axis", "set_split_axis"]
 
@@ -32,7 +33,7 @@ def _einsum_parts(equation: str) -> tuple[str, str, str]:
     return x_spec, kernel_spec, output
 
 
-def _einsum_bias_part(layer, bias_shards, k: int, parts: int, out_axis: int, out_rank: int):
+def _einsum_bias_part(layer, bias_shards, k: int, devices, out_axis: int, out_rank: int):
     if bias_shards is not None:
         return bias_shards[k]
     if layer.bias is None:
@@ -41,8 +42,8 @@ def _einsum_bias_part(layer, bias_shards, k: int, parts: int, out_axis: int, out
     dim = out_axis - (out_rank - bias.shape.rank)  # the bias is right-aligned to the output
     if dim < 0 or bias.shape[dim] == 1:
         return bias
-    size = bias.shape[dim] // parts
-    return tf.gather(bias, tf.range(k * size, (k + 1) * size), axis=dim)
+    size, at = bias.shape[dim] // row_size(devices), position(devices, k)
+    return tf.gather(bias, tf.range(at * size, (at + 1) * size), axis=dim)
 
 
 def _out_axis(layer) -> int:
@@ -50,11 +51,11 @@ def _out_axis(layer) -> int:
     return out_spec.index(kernel_spec[layer_split_axis(layer)])
 
 
-def _project(layer, shards: dict, xk, k: int, parts: int):
-    """Shard k of a column-split EinsumDense's output, from its input on shard k's device."""
+def _project(layer, shards: dict, xk, k: int, devices):
+    """Shard k (this process's k-th) of a column-split EinsumDense's output, from its input on shard k's device."""
     y = keras.ops.einsum(layer.equation, xk, shards["kernel"][k])
     out_rank = len(_einsum_parts(layer.equation)[2])
-    bias = _einsum_bias_part(layer, shards.get("bias"), k, parts, _out_axis(layer), out_rank)
+    bias = _einsum_bias_part(layer, shards.get("bias"), k, devices, _out_axis(layer), out_rank)
     if bias is not None:
         y = keras.ops.add(y, bias)
     return layer.activation(y) if layer.activation is not None else y
@@ -85,12 +86,12 @@ def _fused_column(layer, x, devices, home, group):
     if any(member is None for member, _ in members):
         return None
     xs = copy_to_shards(x, devices, home)
-    outs = [on_device_many(device, lambda xk, k=k: [_project(m, sh, xk, k, len(devices)) for m, sh in members], xs[k])
+    outs = [on_device_many(device, lambda xk, k=k: [_project(m, sh, xk, k, devices) for m, sh in members], xs[k])
             for k, device in enumerate(devices)]
     result = None
     for j, (member, _) in enumerate(members):
         ys = [out[j] for out in outs]
-        logical = gather_from_shards(ys, home, axis=_out_axis(member))
+        logical = gather_from_shards(ys, home, axis=_out_axis(member), devices=devices, lazy=gathers_lazily(member))
         remember_shards(logical, devices, ys, axis=_out_axis(member))
         _fused[(id(x), tuple(devices), id(member))] = (weakref.ref(x), weakref.ref(logical))
         result = logical if member is layer else result
@@ -109,9 +110,9 @@ def einsum_column(layer, x, shards: dict, devices, home):
         if logical is not None:
             return logical
     xs = copy_to_shards(x, devices, home)
-    ys = [on_device(device, lambda xk, k=k: _project(layer, shards, xk, k, len(devices)), xs[k])
+    ys = [on_device(device, lambda xk, k=k: _project(layer, shards, xk, k, devices), xs[k])
           for k, device in enumerate(devices)]
-    logical = gather_from_shards(ys, home, axis=_out_axis(layer))
+    logical = gather_from_shards(ys, home, axis=_out_axis(layer), devices=devices, lazy=gathers_lazily(layer))
     remember_shards(logical, devices, ys, axis=_out_axis(layer))
     return logical
 
@@ -121,7 +122,7 @@ def einsum_row(layer, x, shards: dict, devices, home):
     kernels = shards["kernel"]
     x_spec, kernel_spec, _ = _einsum_parts(layer.equation)
     in_axis = x_spec.index(kernel_spec[layer_split_axis(layer)])
-    xs = shards_of(x, devices, in_axis) or split_to_shards(x, devices, home, axis=in_axis)
+    xs = shards_of(x, devices, in_axis) or split_to_shards(logical_value(x), devices, home, axis=in_axis)
     parts = [on_device(device, lambda xk, k=k: keras.ops.einsum(layer.equation, xk, kernels[k]), xs[k])
              for k, device in enumerate(devices)]
     y = reduce_from_shards(parts, devices, home)

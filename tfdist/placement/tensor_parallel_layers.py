@@ -17,37 +17,39 @@ import tensorflow as tf
 from tfdist.placement.tensor_parallel_einsum import einsum_column, einsum_row, set_split_axis
 from tfdist.placement.tensor_parallel_ops import (copy_to_shards, gather_from_shards, on_device, reduce_from_shards,
                                                   remember_shards, shards_of, split_to_shards)
+from tfdist.placement.tensor_parallel_span import gathers_lazily, logical_value, position, row_of, row_size
 
 __all__ = ["KINDS", "bias_part", "split_layer_call"]
 
 KINDS = ("column", "row", "vocab", "embedding_features", "einsum_column", "einsum_row", "conv_column", "conv_row")
 
 
-def bias_part(bias_shards, bias, k: int, parts: int):
+def bias_part(bias_shards, bias, k: int, devices):
+    """The bias of this process's k-th shard: its own shard, or its slice (model position) of a whole bias."""
     if bias_shards is not None:
         return bias_shards[k]
     if bias is None:
         return None
-    size = bias.shape[0] // parts
-    return tf.convert_to_tensor(bias)[k * size:(k + 1) * size]
+    size, at = bias.shape[0] // row_size(devices), position(devices, k)
+    return tf.convert_to_tensor(bias)[at * size:(at + 1) * size]
 
 
 def _column(layer, x, shards: dict, devices, home, op, bias):
     """Output features split (Dense/Conv): each device computes its slice of the output from a copy of the input
     (Megatron's f), the slices are concatenated and remembered so that a following row layer reads them."""
     kernels, bias_shards = shards["kernel"], shards.get("bias")
-    xs = copy_to_shards(x, devices, home)
+    xs = copy_to_shards(logical_value(x), devices, home)
     ys = []
     for k, device in enumerate(devices):
         def shard(xk, k=k):
             y = op(xk, kernels[k])
-            part = bias_part(bias_shards, bias, k, len(devices))
+            part = bias_part(bias_shards, bias, k, devices)
             if part is not None:
                 y = keras.ops.add(y, part)
             return layer.activation(y) if layer.activation is not None else y
 
         ys.append(on_device(device, shard, xs[k]))
-    logical = gather_from_shards(ys, home)
+    logical = gather_from_shards(ys, home, devices=devices, lazy=gathers_lazily(layer))
     remember_shards(logical, devices, ys)
     return logical
 
@@ -55,7 +57,7 @@ def _column(layer, x, shards: dict, devices, home, op, bias):
 def _row(layer, x, shards: dict, devices, home, op, bias):
     """Input features split (Dense/Conv): partial products on each device, then their sum (Megatron's g)."""
     kernels = shards["kernel"]
-    xs = shards_of(x, devices) or split_to_shards(x, devices, home)
+    xs = shards_of(x, devices) or split_to_shards(logical_value(x), devices, home)
     parts = [on_device(device, lambda xk, k=k: op(xk, kernels[k]), xs[k]) for k, device in enumerate(devices)]
     y = reduce_from_shards(parts, devices, home)
     with tf.device(home):
@@ -95,7 +97,7 @@ def _embedding_vocab(layer, inputs, shards: dict, devices, home):
     parts = []
     for k, device in enumerate(devices):
         def lookup(k=k):
-            local = ids - tf.cast(k * rows, ids.dtype)
+            local = ids - tf.cast(position(devices, k) * rows, ids.dtype)
             inside = tf.logical_and(local >= 0, local < rows)
             found = tf.gather(tf.convert_to_tensor(tables[k]), tf.where(inside, local, tf.zeros_like(local)))
             return found * tf.cast(inside, found.dtype)[..., None]
@@ -109,7 +111,7 @@ def _embedding_features(layer, inputs, shards: dict, devices, home):
     ids = _ids(layer, inputs)
     ys = [on_device(device, lambda k=k: tf.gather(tf.convert_to_tensor(tables[k]), ids))
           for k, device in enumerate(devices)]
-    logical = tf.cast(gather_from_shards(ys, home), layer.compute_dtype)
+    logical = tf.cast(gather_from_shards(ys, home, devices=devices, lazy=gathers_lazily(layer)), layer.compute_dtype)
     remember_shards(logical, devices, ys)
     return logical
 
@@ -135,7 +137,7 @@ def split_layer_call(layer: keras.layers.Layer, kind: str, shards: dict[str, lis
     def call(inputs, *args, **kwargs):
         if isinstance(inputs, keras.KerasTensor):
             return original(inputs, *args, **kwargs)
-        devices = list(devices_for_replica())
+        devices = row_of(devices_for_replica())
         return split(layer, tf.convert_to_tensor(inputs), shards, devices, devices[0])
 
     layer.call = call

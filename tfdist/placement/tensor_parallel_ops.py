@@ -13,6 +13,13 @@ Every such sum is an AddN under the name scope `tp_all_reduce`, concatenations o
 A column-parallel layer returns the logical (concatenated) activation and `remember_shards` its pieces; a
 row-parallel layer fed by it reads them back with `shards_of`, so the concatenation feeds nothing and TF
 prunes it from the step.
+
+A row that spans processes (`tensor_parallel_span`: `RowDevices` with a `RowSpan`, this process holding positions
+first..first+M-1 of T) runs the same operators SPMD, as Megatron does: each process computes its own shards, every
+sum is a local AddN followed by a collective all-reduce among the row's processes, a gather a local concat followed
+by a collective all-gather. Collectives cannot be pruned by TF (they are stateful ops that must run), so a
+column-parallel output that only row-parallel layers read is not gathered at all (`lazy`): it stands for the
+logical activation with a NaN-filled tensor of the right shape, which nothing reads.
 """
 
 from __future__ import annotations
@@ -25,6 +32,13 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat.captured_inputs import captured_inputs
+from tfdist.placement.tensor_parallel_span import (
+    RowSpan,
+    gather_across,
+    lazy_gather,
+    span_of,
+    split_across,
+)
 
 __all__ = ["SCOPES", "copy_to_shards", "gather_from_shards", "on_device", "on_device_many", "reduce_from_shards",
            "remember_shards", "shards_of", "split_to_shards"]
@@ -73,12 +87,24 @@ def copy_to_shards(x: tf.Tensor, devices: Sequence[str], home: str) -> list[tf.T
 
         def grad(*dys):
             parts = [dy for dy in dys if dy is not None]
-            with tf.device(home), tf.name_scope("tp_all_reduce"):
-                return tf.add_n(parts) if parts else tf.zeros_like(value)
+            return _sum_on(home, parts, span_of(devices), value)
 
         return outs, grad
 
     return f(x)
+
+
+def _sum_on(home: str, parts: list, span: RowSpan | None, like=None) -> tf.Tensor:
+    """The sum of `parts` on `home`: one AddN inside a process; across processes a local AddN, then the row's
+    collective all-reduce (the exchange counted under `tp_all_reduce`)."""
+    if span is None:
+        with tf.device(home), tf.name_scope("tp_all_reduce"):
+            return tf.add_n(parts) if parts else tf.zeros_like(like)
+    with tf.device(home):
+        with tf.name_scope("tp_local_sum"):
+            local = tf.add_n(parts) if parts else tf.zeros_like(like)
+        with tf.name_scope("tp_all_reduce"):
+            return span.all_reduce(local)
 
 
 def reduce_from_shards(parts: Sequence[tf.Tensor], devices: Sequence[str], home: str) -> tf.Tensor:
@@ -87,8 +113,7 @@ def reduce_from_shards(parts: Sequence[tf.Tensor], devices: Sequence[str], home:
 
     @tf.custom_gradient
     def g(*values):
-        with tf.device(home), tf.name_scope("tp_all_reduce"):
-            total = tf.add_n(list(values))
+        total = _sum_on(home, list(values), span_of(devices))
 
         def grad(dy):
             outs = []
@@ -102,14 +127,31 @@ def reduce_from_shards(parts: Sequence[tf.Tensor], devices: Sequence[str], home:
     return g(*parts)
 
 
-def gather_from_shards(shards: Sequence[tf.Tensor], home: str, axis: int = -1) -> tf.Tensor:
-    """The logical activation: the shards concatenated on `home` (a gather; pruned when nothing reads it)."""
-    with tf.device(home), tf.name_scope("tp_all_gather"):
-        return tf.concat(list(shards), axis=axis)
+def gather_from_shards(shards: Sequence[tf.Tensor], home: str, axis: int = -1, devices=None,
+                       lazy: bool = False) -> tf.Tensor:
+    """The logical activation: the shards concatenated on `home` (a gather; pruned when nothing reads it).
+
+    Across processes (`devices` a RowDevices with a span): the local concat, then the row's all-gather, whose
+    backward takes this process's slice of the (identical) gradient. With `lazy` (only shard readers follow) no
+    collective is made: the result is a NaN-filled placeholder of the logical shape, and `logical_value` makes the
+    gather if something asks for it after all."""
+    span = span_of(devices)
+    if span is None:
+        with tf.device(home), tf.name_scope("tp_all_gather"):
+            return tf.concat(list(shards), axis=axis)
+    if not lazy:
+        return gather_across(list(shards), home, axis, span)
+    return lazy_gather(list(shards), home, axis, span)
 
 
 def split_to_shards(x: tf.Tensor, devices: Sequence[str], home: str, axis: int = -1) -> list[tf.Tensor]:
-    """A replicated activation split along `axis`, piece k copied to devices[k] (gradient: a concat on home)."""
+    """A replicated activation split along `axis`, piece k copied to devices[k] (gradient: a concat on home).
+
+    Across processes each process keeps its own pieces of its (identical) copy, with no exchange forward; the
+    gradient of x gathers every process's pieces (an all-gather among the row's processes)."""
+    span = span_of(devices)
+    if span is not None:
+        return split_across(x, devices, home, axis, span)
     with tf.device(home), tf.name_scope("tp_scatter"):
         pieces = tf.split(x, len(devices), axis=axis)
     out = []

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import tensorflow as tf
 
 from tfdist._compat import tensor_parallel as tp_compat
 from tfdist.errors import ConfigError
+from tfdist.placement.tensor_parallel_span import gather_value
 
 __all__ = ["first_copy_device", "keep_logical_optimizer_saving"]
 
@@ -33,15 +35,20 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
     created next to (None for other optimizer variables; under ZeRO the slots are logical views of sharded state)."""
 
     def logical_entries(self) -> list[tuple]:
-        """[(None, variable)] for plain variables, [(axis, [slot per shard])] for slots of split variables."""
+        """[(None, variable)] for plain variables, [(axis, [slot per shard])] for slots of split variables (a row
+        across processes: this process's shards; `spans` then maps id(list) to the row's span)."""
         owner = {}  # id(shard tf variable) -> (id of its logical variable, shard index, axis, shards)
+        spans.clear()
         for plan in plans():
+            span = getattr(plan, "span", None)
             for split in plan.layers:
                 for role, shards in split.shards.items():
                     axis = next(i for i, (a, b) in enumerate(zip(split.logical[role].shape, shards[0].shape))
                                 if a != b)
                     for k, shard in enumerate(shards):
                         owner[id(shard.value)] = (id(split.logical[role]), k, axis, len(shards))
+                        if span is not None:
+                            spans[id(split.logical[role])] = span
         entries, groups, seen = [], {}, {}
         for variable in self.variables:
             reference = slot_reference(variable)
@@ -56,13 +63,28 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
             if key not in groups:
                 groups[key] = [None] * parts
                 entries.append((axis, groups[key]))
+                if logical_id in spans:
+                    spans[id(groups[key])] = spans[logical_id]
             groups[key][k] = variable
         return entries
 
+    spans: dict = {}  # id(logical variable or slot list) -> RowSpan, for rows across processes
+
+    def whole(item, axis) -> np.ndarray:
+        """A split variable's slot, whole: its shards' slots concatenated (across processes, a collective)."""
+        local = np.concatenate([np.asarray(v.numpy()) for v in item], axis=axis)
+        span = spans.get(id(item))
+        return local if span is None else np.asarray(gather_value(tf.constant(local), axis, span))
+
+    def mine(value: np.ndarray, item, axis) -> list:
+        span = spans.get(id(item))
+        if span is None:
+            return np.split(value, len(item), axis=axis)
+        return np.split(value, span.size, axis=axis)[span.first:span.first + len(item)]
+
     def save_own_variables(self, store):
         for i, (axis, item) in enumerate(logical_entries(self)):
-            store[str(i)] = (np.asarray(item.numpy()) if axis is None
-                             else np.concatenate([np.asarray(v.numpy()) for v in item], axis=axis))
+            store[str(i)] = np.asarray(item.numpy()) if axis is None else whole(item, axis)
 
     def load_own_variables(self, store):
         entries = logical_entries(self)
@@ -75,7 +97,7 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
             if axis is None:
                 item.assign(value)
             else:
-                for variable, part in zip(item, np.split(value, len(item), axis=axis)):
+                for variable, part in zip(item, mine(value, item, axis)):
                     variable.assign(part)
 
     cache: dict = {}
@@ -95,7 +117,7 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
                 v = logical_of.get(id(v), v)
                 if not trainables or trainables[-1] is not v:
                     trainables.append(v)
-            items = [item if axis is None else _slot_view(item, axis) for axis, item in entries]
+            items = [item if axis is None else _slot_view(item, axis, spans.get(id(item))) for axis, item in entries]
             cache.update(key=key, trainables=tp_compat.tracked_list(trainables), items=tp_compat.tracked_list(items))
         children["_trainable_variables"] = cache["trainables"]
         children["_variables"] = cache["items"]
@@ -113,8 +135,11 @@ def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_ref
     tp_compat.override_checkpoint_children(optimizer, checkpoint_children)
 
 
-def _slot_view(slots: list, axis: int):
+def _slot_view(slots: list, axis: int, span=None):
     shape = list(slots[0].shape)
-    shape[axis] *= len(slots)
+    shape[axis] *= len(slots) if span is None else span.size
+    first = 0 if span is None else span.first
+    gather = None if span is None else (lambda local, axis_: gather_value(local, axis_, span))
     return tp_compat.LogicalView(slots, axis, tuple(shape), slots[0].dtype, first_copy_device(slots[0]),
-                                 name=slots[0].path.replace("_shard_0", ""))
+                                 name=slots[0].path.replace(f"_shard_{first}", ""), gather=gather, first=first,
+                                 parts=None if span is None else span.size)

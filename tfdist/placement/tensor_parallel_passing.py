@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import keras
 
 from tfdist.placement.tensor_parallel_ops import gather_from_shards, on_device, remember_shards, shards_of
+from tfdist.placement.tensor_parallel_span import gathers_lazily, logical_value, row_of
 
 __all__ = ["pass_shards_through", "split_attention"]
 
@@ -23,13 +24,13 @@ def pass_shards_through(layer, devices_for_replica: Callable[[], Sequence[str]])
     def call(inputs, *args, **kwargs):
         if isinstance(inputs, keras.KerasTensor):
             return original(inputs, *args, **kwargs)
-        devices = list(devices_for_replica())
+        devices = row_of(devices_for_replica())
         shards = shards_of(inputs, devices)
         if shards is None:
-            return original(inputs, *args, **kwargs)
+            return original(logical_value(inputs), *args, **kwargs)
         outs = [on_device(device, lambda t: original(t, *args, **kwargs), shard)
                 for device, shard in zip(devices, shards)]
-        logical = gather_from_shards(outs, devices[0])
+        logical = gather_from_shards(outs, devices[0], devices=devices, lazy=gathers_lazily(layer))
         remember_shards(logical, devices, outs)
         return logical
 
@@ -46,9 +47,10 @@ def split_attention(layer, devices_for_replica: Callable[[], Sequence[str]]) -> 
     def make(original):
         def compute(query, key, value, attention_mask=None, training=None, return_attention_scores=False,
                     **kwargs):
-            devices = list(devices_for_replica())
+            devices = row_of(devices_for_replica())
             shards = [shards_of(t, devices, axis=2) for t in (query, key, value)]
             if return_attention_scores or any(s is None for s in shards):
+                query, key, value = (logical_value(t) for t in (query, key, value))  # across processes: gathered
                 return original(query, key, value, attention_mask, training, return_attention_scores, **kwargs)
             outs = []
             for k, device in enumerate(devices):
@@ -56,7 +58,7 @@ def split_attention(layer, devices_for_replica: Callable[[], Sequence[str]]) -> 
                     return original(q, kk, v, attention_mask, training, False, **kwargs)[0]
 
                 outs.append(on_device(device, heads, shards[0][k], shards[1][k], shards[2][k]))
-            logical = gather_from_shards(outs, devices[0], axis=2)
+            logical = gather_from_shards(outs, devices[0], axis=2, devices=devices, lazy=gathers_lazily(layer))
             remember_shards(logical, devices, outs, axis=2)
             return logical, None
 

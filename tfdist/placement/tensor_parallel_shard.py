@@ -16,6 +16,7 @@ from tfdist.errors import ConfigError
 from tfdist.placement.layout_map import LayoutMap
 from tfdist.placement.tensor_parallel_einsum import fuse_projections
 from tfdist.placement.tensor_parallel_layers import split_layer_call
+from tfdist.placement.tensor_parallel_span import RowSpan, gather_lazily, gather_value, row_size, span_of
 from tfdist.placement.tensor_parallel_optimizer import first_copy_device, keep_logical_optimizer_saving
 from tfdist.placement.tensor_parallel_passing import pass_shards_through, split_attention
 from tfdist.placement.tensor_parallel_rules import layer_kind, split_axis
@@ -53,6 +54,7 @@ class ShardPlan:
     layers: list[SplitLayer]
     bytes_per_device: dict[str, int]
     replicated_bytes: int  # what each device would hold with every variable replicated
+    span: RowSpan | None = None  # a row across processes: this process's part of it (grid: its own devices)
 
     def __str__(self) -> str:
         lines = [f"model {self.model_name!r}: {len(self.layers)} split layer(s) over rows {self.grid}"]
@@ -95,7 +97,8 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
             raise ConfigError(f"LayoutMap splits variable {path!r} over the axis {other[0]!r} ({layout}); variables "
                               f"can be split over the model axis {model_axis!r} only (a pipeline stage holds its "
                               "layers' variables whole or split over its model-axis group).")
-    parts = len(group_of(everything[0])[0][0]) if everything else len(grid[0])  # devices per model-axis group
+    # devices per model-axis group (a row across processes: the whole row's, this process holding some of them)
+    parts = row_size(group_of(everything[0])[0][0]) if everything else row_size(grid[0])
     plan_layers: list[SplitLayer] = list(done)
     for layer in layers:
         roles = {_role(layer, kv): kv for kv in tp_compat.own_variables(layer)}
@@ -131,7 +134,45 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
                 _attention_split.add(layer)
                 split_attention(layer, group_of(layer)[1])
                 fuse_projections([(p, split_kinds[id(p)].shards) for p in (query, key, value)])
-    return ShardPlan(model.name, [list(r) for r in grid], plan_layers, *_bytes(model, grid))
+    span = span_of(grid[0])
+    if span is not None:
+        _gather_only_where_read(model, everything)
+    return ShardPlan(model.name, [list(r) for r in grid], plan_layers, *_bytes(model, grid), span=span)
+
+
+_ROW_KINDS = ("row", "einsum_row", "conv_row")
+
+
+def _gather_only_where_read(model, everything) -> None:
+    """Across processes a gather is a collective, which TF cannot prune: a split output that only row-parallel
+    layers read (directly or through per-feature layers; an attention's heads read by its split output
+    projection) is left ungathered (`gather_lazily`). Anything else reading it (another layer, a Keras op,
+    the model's output) keeps the gather."""
+    outputs = {id(layer) for layer in tp_compat.model_output_layers(model)}
+
+    def only_shards_read(layer) -> bool:
+        found = tp_compat.consumers(layer)
+        if id(layer) in outputs or not found:
+            return False
+        for consumer in found:
+            split = _split_layers.get(consumer) if isinstance(consumer, keras.layers.Layer) else None
+            if split is not None and split.kind in _ROW_KINDS:
+                continue
+            if isinstance(consumer, keras.layers.Layer) and consumer in _passing and only_shards_read(consumer):
+                continue
+            return False
+        return True
+
+    for layer in everything:
+        if layer in _split_layers and _split_layers[layer].kind not in _ROW_KINDS or layer in _passing:
+            gather_lazily(layer, only_shards_read(layer))
+    for layer in everything:
+        if layer in _attention_split:
+            query, key, value, output = tp_compat.attention_projections(layer)
+            for projection in (query, key, value):  # read as heads by the split attention (else gathered then)
+                gather_lazily(projection)
+            split = _split_layers.get(output)
+            gather_lazily(layer, split is not None and split.kind in _ROW_KINDS)
 
 
 def places_itself(layer) -> bool:
@@ -155,17 +196,20 @@ def _role(layer, kv) -> str:
 
 
 def _make_shards(strategy, layer, kv, axis: int, grid) -> list:
-    parts = len(grid[0])
+    span = span_of(grid[0])
+    first = span.first if span is not None else 0  # a row across processes: this process makes its own shards
     value = np.asarray(kv.numpy())
-    pieces = np.split(value, parts, axis=axis)
+    pieces = np.split(value, row_size(grid[0]), axis=axis)[first:first + len(grid[0])]
     shards = []
     with tf.init_scope(), strategy.scope(), keras.name_scope(layer.name):
         for k, piece in enumerate(pieces):
             with strategy.extended.creating_on([row[k] for row in grid]):
                 shards.append(keras.Variable(piece, dtype=kv.dtype, trainable=kv.trainable,
-                                             name=f"{kv.name}_shard_{k}"))
+                                             name=f"{kv.name}_shard_{first + k}"))
     tp_compat.replace_variable(layer, kv, shards)
-    view = tp_compat.LogicalView(shards, axis, tuple(kv.shape), kv.dtype, first_copy_device(shards[0]), name=kv.path)
+    gather = None if span is None else (lambda local, axis_: gather_value(local, axis_, span))
+    view = tp_compat.LogicalView(shards, axis, tuple(kv.shape), kv.dtype, first_copy_device(shards[0]), name=kv.path,
+                                 gather=gather, first=first, parts=row_size(grid[0]))
     tp_compat.set_logical_view(kv, view)
     return shards
 

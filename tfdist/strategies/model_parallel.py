@@ -11,13 +11,11 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
-from tfdist._compat.device_groups import column_launchers
-from tfdist.comm.shard_collectives import LocalCollectives
-from tfdist.comm.tf_shards import TFShardCollectives
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.pipeline import check_batch
+from tfdist.placement.tensor_parallel_span import RowDevices
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
@@ -26,7 +24,13 @@ from tfdist.sharding.config import check_stage
 from tfdist.sharding.summed_update import SummedGradientUpdate
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
-from tfdist.strategies.model_parallel_procs import process_rows, start_processes
+from tfdist.strategies.model_parallel_procs import (
+    check_process_options,
+    process_rows,
+    row_span,
+    start_processes,
+    zero_collectives,
+)
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -85,6 +89,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     gradients are summed over its rows and then across processes per device, so every process applies the same
     update. Variables start as rank 0's. Save with `tfdist.cluster.save_model(model, path)` on every process (the
     chief writes); `predict` returns each process's own part of every batch. See docs/tensor-parallel.md.
+
+    The model axis across processes: a mesh whose rows span processes (`DeviceMesh((1, P * M), ...)` over
+    `tfdist.cluster.list_devices()`, or B rows of P / B processes each) runs SPMD like Megatron-LM: each process
+    creates and computes only its own shards, the processes of a row read the same data, the split layers'
+    sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -150,20 +159,15 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
-        self._column_launchers: dict[tuple, list] = {}  # ZeRO across processes, several rows each: per column
         rows = process_rows(self._grid)
-        if self.zero_stage == 3 and rows is not None:
-            raise ConfigError("zero_stage=3 on ModelParallelStrategy across processes is not supported yet; it runs "
-                              "on a mesh of this process's devices. Use zero_stage=2 (optimizer state and gradients "
-                              "sharded over the batch axis), or a mesh of one process's devices.")
+        self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.cluster.save_model
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
-            if self._groups is not None:
-                raise ConfigError(f"a mesh with a {stage_dim_name!r} axis (pipeline stages) across processes is not "
-                                  "supported yet: use a rank-3 mesh of this process's devices, or a (batch, model) "
-                                  "mesh across processes.")
+            check_process_options(rows, self.zero_stage, self._groups, stage_dim_name)
             make_extended, self._server = start_processes(self, rows, self.timeout_s)
             self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
             tf_distribute.init_strategy(self, make_extended)
+            if self.saves_collectively:  # the model axis across processes: this process's part of its row
+                self._grid = [RowDevices(rows.local_grid[0], row_span(self, rows))]
             return
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.
@@ -348,29 +352,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             self._logical_saving.add(optimizer)
 
     def _zero_collectives(self) -> dict:
-        """The GroupedZeroEngine's host device and collectives: device copies in one process; across processes
-        the group of each mesh column (a group's devices: one per row), whose members are the rows in rank order:
-        with one row per process the strategy's group of that device position, with several a group of its own."""
-        if self.size == 1:
-            return {"collectives": LocalCollectives}
-        host = tf.DeviceSpec.from_string(self._grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
-
-        def collectives(devices: list[str]) -> TFShardCollectives:
-            own = [self.extended.launcher_for(d) for d in devices]
-            if len(devices) == 1:
-                return TFShardCollectives.over_launchers(own, [self._first_row], self.size, self.timeout_s)
-            # TF ranks a group's members by process, then device index: each local copy's piece is its rank.
-            order = sorted(range(len(devices)), key=lambda i: _position(devices[i]))
-            shard_ids = [self._first_row + order.index(i) for i in range(len(devices))]
-            launchers = self._column_launchers.get(tuple(devices))
-            if launchers is None:  # one group per column, shared by every optimizer of this strategy
-                column = min(_position(d)[1] for d in devices)  # a column's devices are its own: a unique key
-                launchers = column_launchers(self, devices, column, self.size * len(self._grid), self.timeout_s, own)
-                self._column_launchers[tuple(devices)] = launchers
-            return TFShardCollectives.over_launchers(launchers, shard_ids, self.size * len(self._grid),
-                                                     self.timeout_s)
-
-        return {"host_device": host, "collectives": collectives}
+        """The GroupedZeroEngine's host device and collectives (`model_parallel_procs.zero_collectives`)."""
+        return zero_collectives(self)
 
     def _slot_reference(self, optimizer, variable):
         """The tf variable an optimizer variable is a slot of (None for other optimizer variables)."""
@@ -399,8 +382,3 @@ def _knows_any(optimizer, variables) -> bool:
             continue
     return False
 
-
-def _position(device: str) -> tuple[str, int]:
-    """(device type, index) of a device name: how TF orders one process's members of a collective group."""
-    spec = tf.DeviceSpec.from_string(device)
-    return (spec.device_type or "CPU").upper(), int(spec.device_index or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from tfdist.cluster.rank import is_chief
 from tfdist.sharding import gathered_state
@@ -13,6 +14,8 @@ __all__ = ["save_model"]
 def save_model(model, filepath, strategy=None, **kwargs) -> bool:
     """`model.save(filepath)` for multi-process jobs: call it on every rank; the chief writes.
 
+    With the model axis across processes (a ModelParallelStrategy mesh row spanning processes) every rank
+    saves (reading a split variable whole is a collective); only the chief keeps its file.
     With ZeRO across processes (HorovodStrategy / MultiWorkerMirroredStrategy with zero_stage > 0)
     the optimizer state is sharded over the ranks, so every rank joins one all-gather first and the
     file holds the full logical optimizer state (loadable in plain Keras on one device). Without
@@ -22,10 +25,16 @@ def save_model(model, filepath, strategy=None, **kwargs) -> bool:
         >>> from tfdist.training import save_model      # also tfdist.cluster.save_model
         >>> save_model(model, "out/model.keras")        # every rank
     """
-    chief = is_chief(strategy if strategy is not None else model.distribute_strategy)
+    strategy = strategy if strategy is not None else model.distribute_strategy
+    chief = is_chief(strategy)
     with gathered_state(model):
         if chief:
             if os.path.dirname(os.fspath(filepath)):
                 os.makedirs(os.path.dirname(os.fspath(filepath)), exist_ok=True)
             model.save(filepath, **kwargs)
+        elif getattr(strategy, "saves_collectively", False):
+            # The model axis across processes: reading a split variable whole is a collective of every process
+            # of the row, so the others save too, in the same order, to a file they then drop.
+            with tempfile.TemporaryDirectory() as scratch:
+                model.save(os.path.join(scratch, os.path.basename(os.fspath(filepath))), **kwargs)
     return chief

@@ -1,0 +1,159 @@
+"""Worker script of tests/test_tensor_parallel_model_procs.py: the mesh's model axis across processes (SPMD).
+
+Usage (under `tfdist launch -n P --devices-per-worker M`): python tensor_parallel_model_procs_job.py OUT [ROWS [TAGS]]
+Global mesh ROWS x (P*M/ROWS) (default 1 row): each row spans P/ROWS processes, process q of a row holding its
+model positions q*M .. q*M+M-1. The processes of a row read the same part of every global batch (the row's data).
+TAGS: comma-separated run tags (default: all). Writes OUT/rank{r}.json with, per run, the logical weights
+(reading them is a collective), the one-device reference's, this process's shard variables (shape, devices),
+its replicated variables, evaluate/predict, the exchanges in a traced step; the chief also writes OUT/mlp.keras.
+"""
+import json
+import os
+import sys
+
+out = sys.argv[1]
+import tfdist
+
+# First thing: the mesh over every process's devices, then the strategy (collectives configured before TF starts).
+devices = tfdist.cluster.list_devices()
+rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+mesh = tfdist.DeviceMesh((rows, len(devices) // rows), ("batch", "model"), devices)
+
+
+# The models and layouts of tests/test_tensor_parallel_procs.py (copied: this script must not import pytest modules).
+def mlp():
+    import keras
+    inputs = keras.Input((12,))
+    x = keras.layers.Dense(32, activation="relu", name="up1")(inputs)
+    x = keras.layers.Dense(16, activation="tanh", name="down1")(x)
+    x = keras.layers.Dense(32, activation="relu", name="up2")(x)
+    x = keras.layers.Dense(16, name="down2")(x)
+    return keras.Model(inputs, keras.layers.Dense(5, name="head")(x))
+
+
+def mlp_layout(mesh):
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map["up.*/kernel"] = (None, "model")
+    layout_map["up.*/bias"] = ("model",)
+    layout_map["down.*/kernel"] = ("model", None)
+    return layout_map
+
+
+def transformer_block():
+    import keras
+    inputs = keras.Input((6, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="mha")(inputs, inputs)
+    x = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
+    h = keras.layers.Dense(32, activation="relu", name="ff_up")(x)
+    h = keras.layers.Dense(16, name="ff_down")(h)
+    x = keras.layers.LayerNormalization(name="ln2")(x + h)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(x))
+
+
+def transformer_layout(mesh):
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["mha/(query|key|value)/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+    layout_map["ff_up/kernel"] = (None, "model")
+    layout_map["ff_up/bias"] = ("model",)
+    layout_map["ff_down/kernel"] = ("model", None)
+    return layout_map
+
+
+layouts = {"mlp": mlp_layout(mesh), "transformer": transformer_layout(mesh)}
+strategies = {"mlp": tfdist.ModelParallelStrategy(layouts["mlp"], batch_dim_name="batch", timeout_s=60)}
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.placement.tensor_parallel import collective_counts
+
+strategies["transformer"] = tfdist.ModelParallelStrategy(layouts["transformer"], batch_dim_name="batch", timeout_s=60)
+rank = tfdist.cluster.rank(strategies["mlp"])
+rng = np.random.RandomState(0)
+DATA = {
+    "mlp": (rng.rand(64, 12).astype("float32"), rng.randint(0, 5, size=64), 16),
+    "transformer": (rng.rand(32, 6, 16).astype("float32"), rng.randint(0, 3, size=32), 8),
+}
+BUILD = {"mlp": mlp, "transformer": transformer_block}
+RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
+        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01))]
+
+
+def logical(model, strategy_=None) -> dict:
+    """Every logical variable by path (a split layer's variables read whole: a collective across processes)."""
+    values = {v.path: v.numpy() for v in model.weights if "_shard_" not in v.path}
+    for split in strategy_.shard_plan(model).layers if strategy_ is not None else []:
+        values.update({kv.path: kv.numpy() for kv in split.logical.values()})
+    return {path: np.asarray(value).tolist() for path, value in values.items()}
+
+
+def fit(name, optimizer, strategy_):
+    x, y, batch = DATA[name]
+    scope = strategy_.scope() if strategy_ is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(11)
+        model = BUILD[name]()
+        model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)  # 12 steps
+    return model, history.history["loss"]
+
+
+def traced_counts(strategy_, model, name) -> dict:
+    """The exchanges of a traced SGD step (custom loop: strategy.run inside a tf.function), never run."""
+    x, y, batch = DATA[name]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy_.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(xb, yb):
+        return strategy_.run(replica_step, args=(xb, yb))
+
+    return collective_counts(step.get_concrete_function(tf.constant(x[:batch]), tf.constant(y[:batch])).graph)
+
+
+record = {"rank": rank, "mesh_rows": strategies["mlp"].mesh_rows,
+          "num_replicas": strategies["mlp"].num_replicas_in_sync}
+wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+for name, opt_name, optimizer in RUNS:
+    tag = f"{name}-{opt_name}"
+    if wanted is not None and tag not in wanted:
+        continue
+    strategy = strategies[name]
+    reference, ref_loss = fit(name, optimizer, None)
+    split, loss = fit(name, optimizer, strategy)
+    x, y, batch = DATA[name]
+    plan = strategy.shard_plan(split)
+    entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
+             "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
+             "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
+             "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
+             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist(),
+             "shards": {f"{s.name}/{role}": [[v.path, list(v.shape), [c.device for c in v.value.values]] for v in vs]
+                        for s in plan.layers for role, vs in s.shards.items()},
+             "logical_shapes": {f"{s.name}/{role}": list(kv.shape) for s in plan.layers
+                                for role, kv in s.logical.items()},
+             "replicated": {v.path: np.asarray(v.numpy()).tolist() for v in split.weights if "_shard_" not in v.path},
+             "replicated_slots": [np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables
+                                  if "_shard_" not in v.path]}
+    if tag == "mlp-adam":
+        # Every process calls it (a collective gather of the shards); the chief writes.
+        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+    if opt_name == "sgd" or name == "transformer":
+        entry["counts"] = traced_counts(strategy, split, name)
+    record[tag] = entry
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(record, f)
+print(f"rank {rank} done", flush=True)
