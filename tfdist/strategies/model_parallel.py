@@ -353,7 +353,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def _zero_collectives(self) -> dict:
         """The GroupedZeroEngine's host device and collectives (`model_parallel_procs.zero_collectives`)."""
-        return zero_collectives(self)
+        return zero_collectives(self, self._grid, self._first_row, self.__dict__.setdefault("_column_launchers", {}))
 
     def _slot_reference(self, optimizer, variable):
         """The tf variable an optimizer variable is a slot of (None for other optimizer variables)."""

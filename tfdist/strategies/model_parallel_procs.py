@@ -334,16 +334,16 @@ def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_
                           "processes.")
 
 
-def zero_collectives(strategy) -> dict:
+def zero_collectives(strategy, grid: Sequence[Sequence[str]], first_row: int, cache: dict) -> dict:
     """ModelParallelStrategy's GroupedZeroEngine host device and collectives: device copies in one process;
     across processes the group of each mesh column (a group's devices: one per row), whose members are the rows
     in rank order: with one row per process the strategy's group of that device position, with several a group
-    of its own (`column_launchers`, one per column, shared by every optimizer of the strategy)."""
+    of its own (`column_launchers`, one per column, kept in `cache` for every optimizer of the strategy).
+    `grid`: this process's mesh rows; `first_row`: the global index of its first."""
     if strategy.size == 1:
         return {"collectives": LocalCollectives}
-    grid, first_row, timeout_s = strategy._grid, strategy._first_row, strategy.timeout_s
+    timeout_s = strategy.timeout_s
     host = tf.DeviceSpec.from_string(grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
-    cache = strategy.__dict__.setdefault("_column_launchers", {})
 
     def collectives(devices: list[str]) -> TFShardCollectives:
         own = [strategy.extended.launcher_for(d) for d in devices]
