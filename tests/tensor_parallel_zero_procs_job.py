@@ -12,28 +12,16 @@ import sys
 
 out = sys.argv[1]
 import tfdist
+import tp_models  # keras is imported inside its builders
 
 # First thing: the mesh over every process's devices, then the strategies (collectives configured before TF starts).
 devices = tfdist.cluster.list_devices()
 mesh = tfdist.DeviceMesh((2, len(devices) // 2), ("batch", "model"), devices)
-layout_map = tfdist.LayoutMap(mesh)
-layout_map["up.*/kernel"] = (None, "model")
-layout_map["up.*/bias"] = ("model",)
-layout_map["down.*/kernel"] = ("model", None)
+layout_map = tp_models.mlp_layout(mesh)
 strategies = {stage: tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", timeout_s=60, zero_stage=stage)
               for stage in (0, 1, 2)}
 import keras
 import numpy as np
-
-
-def mlp():  # tests/test_tensor_parallel.py's MLP (copied: this script must not import pytest modules)
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((12,))
-    x = keras.layers.Dense(32, activation="relu", name="up1")(inputs)
-    x = keras.layers.Dense(16, activation="tanh", name="down1")(x)
-    x = keras.layers.Dense(32, activation="relu", name="up2")(x)
-    x = keras.layers.Dense(16, name="down2")(x)
-    return keras.Model(inputs, keras.layers.Dense(5, name="head")(x))
 
 
 rng = np.random.RandomState(0)
@@ -42,7 +30,7 @@ rank = tfdist.cluster.rank(strategies[0])
 record = {"rank": rank}
 for stage, strategy in strategies.items():
     with strategy.scope():
-        model = mlp()
+        model = tp_models.mlp(seed=7)
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)

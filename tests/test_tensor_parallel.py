@@ -16,28 +16,15 @@ import tfdist
 from tfdist.errors import ConfigError
 from tfdist.placement.tensor_parallel import collective_counts
 
+import tp_models
+from tp_models import cnn_layout, mlp_layout, transformer_layout  # noqa: F401 (other tests import them from here)
+
 DEVICES = [f"/cpu:{i}" for i in range(4)]
 MESHES = [(1, 2), (1, 4), (2, 2)]
 
 
 def mlp() -> keras.Model:
-    """Two column/row pairs (Megatron's MLP block twice) and a replicated head."""
-    keras.utils.set_random_seed(7)
-    inputs = keras.Input((12,))
-    x = keras.layers.Dense(32, activation="relu", name="up1")(inputs)
-    x = keras.layers.Dense(16, activation="tanh", name="down1")(x)
-    x = keras.layers.Dense(32, activation="relu", name="up2")(x)
-    x = keras.layers.Dense(16, name="down2")(x)
-    outputs = keras.layers.Dense(5, name="head")(x)
-    return keras.Model(inputs, outputs)
-
-
-def mlp_layout(mesh) -> tfdist.LayoutMap:
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map["up.*/kernel"] = (None, "model")
-    layout_map["up.*/bias"] = ("model",)
-    layout_map["down.*/kernel"] = ("model", None)
-    return layout_map
+    return tp_models.mlp(seed=7)
 
 
 def data(n: int = 64):
@@ -450,27 +437,7 @@ def test_data_by_model_2x4_on_8_devices_equals_one_device(python):
 
 
 def transformer_block() -> keras.Model:
-    """MultiHeadAttention + feed-forward + LayerNorm (a Transformer encoder block) and a small head."""
-    keras.utils.set_random_seed(5)
-    inputs = keras.Input((6, 16))
-    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="mha")(inputs, inputs)
-    x = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
-    h = keras.layers.Dense(32, activation="relu", name="ff_up")(x)
-    h = keras.layers.Dense(16, name="ff_down")(h)
-    x = keras.layers.LayerNormalization(name="ln2")(x + h)
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    return keras.Model(inputs, keras.layers.Dense(3, name="out")(x))
-
-
-def transformer_layout(mesh) -> tfdist.LayoutMap:
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)  # heads split
-    layout_map["mha/(query|key|value)/bias"] = ("model", None)
-    layout_map["mha/attention_output/kernel"] = ("model", None, None)  # row-parallel over heads
-    layout_map["ff_up/kernel"] = (None, "model")
-    layout_map["ff_up/bias"] = ("model",)
-    layout_map["ff_down/kernel"] = ("model", None)
-    return layout_map
+    return tp_models.transformer_block(seed=5)
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -572,17 +539,6 @@ def test_a_sequential_model_and_its_inner_functional_model_split_once():
         "up/kernel_shard_0", "up/kernel_shard_1", model.get_layer("up").bias.path,
         "down/kernel_shard_0", "down/kernel_shard_1", model.get_layer("down").bias.path]
     assert [split.name for split in strategy.shard(model).layers] == ["up", "down"]
-
-
-def cnn_layout(mesh) -> tfdist.LayoutMap:
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map[".*conv1/kernel"] = (None, None, None, "model")  # output channels split
-    layout_map[".*conv1/bias"] = ("model",)
-    layout_map[".*conv2/kernel"] = (None, None, "model", None)  # input channels split, then the sum
-    layout_map[".*dense1/kernel"] = (None, "model")
-    layout_map[".*dense1/bias"] = ("model",)
-    layout_map[".*logits/kernel"] = ("model", None)
-    return layout_map
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=lambda s: "x".join(map(str, s)))

@@ -137,19 +137,24 @@ class GroupedZeroEngine:
             overwrite_with_average=lambda opt, variables: self.overwrite_with_average())
 
     # --- one training step -----------------------------------------------------------------
-    def apply(self, grads: list, variables: list) -> None:
-        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+    def _gradients_in_order(self, grads: list, variables: list, stage: int) -> tuple:
+        """(the replica context, the gradients in the build order): ConfigError outside a replica context or for
+        a trainable variable without a gradient."""
         ctx = tf.distribute.get_replica_context()
         if ctx is None or tf.distribute.in_cross_replica_context():
             raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
                               "as model.fit does.")
-        opt = self.optimizer
-        by_index = {keras_optimizer.variable_index(opt, v): g for g, v in zip(grads, variables)}
+        by_index = {keras_optimizer.variable_index(self.optimizer, v): g for g, v in zip(grads, variables)}
         missing = [self.variables[i].path for i in range(len(self.variables)) if i not in by_index]
         if missing:
-            raise ConfigError(f"ZeRO stage {self.stage} needs a gradient for every trainable variable; none for "
+            raise ConfigError(f"ZeRO stage {stage} needs a gradient for every trainable variable; none for "
                               f"{missing}. Set trainable=False on them.")
-        grads = [by_index[i] for i in range(len(self.variables))]
+        return ctx, [by_index[i] for i in range(len(self.variables))]
+
+    def apply(self, grads: list, variables: list) -> None:
+        """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
+        ctx, grads = self._gradients_in_order(grads, variables, self.stage)
+        opt = self.optimizer
         if not all(engine.reduce_scatters for engine in self.engines):  # stage 1, > 2 replicas: stage 0's sum
             grads = keras_optimizer.keras_all_reduce_sum(opt, grads, [tf_variable(v) for v in self.variables])
         if not opt.gradient_accumulation_steps:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import tensorflow as tf
 
-from tfdist._compat import fsdp_keras, keras_optimizer
+from tfdist._compat import fsdp_keras
 from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
 from tfdist.errors import ConfigError
 from tfdist.sharding.config import ZeroConfig
@@ -75,17 +74,8 @@ class GroupedZero3Engine(GroupedZeroEngine):
     # --- one training step -----------------------------------------------------------------
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads` are this row's reduce-scattered gradient pieces (the units' backward)."""
-        ctx = tf.distribute.get_replica_context()
-        if ctx is None or tf.distribute.in_cross_replica_context():
-            raise ConfigError("ZeRO: optimizer.apply() must run inside strategy.run() (replica context), "
-                              "as model.fit does.")
+        ctx, grads = self._gradients_in_order(grads, variables, 3)
         opt = self.optimizer
-        by_index = {keras_optimizer.variable_index(opt, v): g for g, v in zip(grads, variables)}
-        missing = [self.variables[i].path for i in range(len(self.variables)) if i not in by_index]
-        if missing:
-            raise ConfigError(f"ZeRO stage 3 needs a gradient for every trainable variable; none for {missing}. "
-                              "Set trainable=False on them.")
-        grads = [by_index[i] for i in range(len(self.variables))]
         for g, v, p in zip(grads, self.variables, self.params):
             if g.shape.rank != 1 or g.shape[0] not in (None, p.piece_size):
                 raise ConfigError(
