@@ -4,7 +4,7 @@ Usage (under `tfdist launch -n 2 --devices-per-worker M`): python tensor_paralle
 Global mesh ROWS x (2M / ROWS) (default 2 x M: "batch" across the two processes, "model" inside each; ROWS = 4
 with M = 4 gives each process two rows). MODELS: comma-separated run tags (default: every zero_stage=0 run). Writes
 OUT/rank{r}.json with, per run, the split model's logical weights, the one-device reference's, evaluate and predict
-results; the chief also writes OUT/mlp.keras.
+results; the chief also writes OUT/mlp.keras (and OUT/{model}-zero3.keras for the ZeRO-3 runs, "*-adam20-zero3").
 """
 import json
 import os
@@ -109,7 +109,12 @@ RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1), 0), ("mlp", "adam", la
         ("mlp", "adam-ema", lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3), 0),
         ("mlp", "sgd-clip", lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05), 0),
         ("mlp", "adam-zero1", lambda: keras.optimizers.Adam(0.01), 1),
-        ("mlp", "adam-zero2", lambda: keras.optimizers.Adam(0.01), 2)]
+        ("mlp", "adam-zero2", lambda: keras.optimizers.Adam(0.01), 2),
+        # ZeRO-3 with one row per process, 20 steps (5 epochs), next to stage 0 over the same 20 steps.
+        ("mlp", "adam20", lambda: keras.optimizers.Adam(0.01), 0),
+        ("mlp", "adam20-zero3", lambda: keras.optimizers.Adam(0.01), 3),
+        ("transformer", "adam20", lambda: keras.optimizers.Adam(0.01), 0),
+        ("transformer", "adam20-zero3", lambda: keras.optimizers.Adam(0.01), 3)]
 
 
 def logical(model, strategy_=None) -> dict:
@@ -120,14 +125,14 @@ def logical(model, strategy_=None) -> dict:
     return {path: np.asarray(value).tolist() for path, value in values.items()}
 
 
-def fit(name, optimizer, strategy_):
+def fit(name, optimizer, strategy_, epochs=2):
     x, y, batch = DATA[name]
     scope = strategy_.scope() if strategy_ is not None else tf.distribute.get_strategy().scope()
     with scope:
         keras.utils.set_random_seed(11)
         model = BUILD[name]()
         model.compile(optimizer=optimizer(), loss=LOSS[name](), metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history["loss"]
 
 
@@ -137,18 +142,20 @@ wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else None
 strategies = {("mlp", 0): strategy}
 for name, opt_name, optimizer, stage in RUNS:
     tag = f"{name}-{opt_name}"
-    if (wanted is None and stage) or (wanted is not None and tag not in wanted):  # default: the stage-0 runs
-        continue
+    if (wanted is None and (stage or "20" in opt_name)) or (wanted is not None and tag not in wanted):
+        continue  # default: the 2-epoch stage-0 runs
+    epochs = 5 if "20" in opt_name else 2
     if (name, stage) not in strategies:  # one strategy per layout map and stage (each one's collective keys its own)
         layout = layouts[name]
-        if stage == 2 and rows > 2:  # several rows per process: ZeRO-2 on a mesh whose rows run against device order
-            cols = len(devices) // rows
-            layout = mlp_layout(tfdist.DeviceMesh((rows, cols), ("batch", "model"), rows_reversed(devices, cols)))
+        if stage in (2, 3) and rows > 2:  # several rows per process: ZeRO-2/3 on a mesh whose rows run against
+            cols = len(devices) // rows     # device order
+            reversed_mesh = tfdist.DeviceMesh((rows, cols), ("batch", "model"), rows_reversed(devices, cols))
+            layout = {"mlp": mlp_layout, "transformer": transformer_layout, "cnn": cnn_layout}[name](reversed_mesh)
         strategies[name, stage] = tfdist.ModelParallelStrategy(layout, batch_dim_name="batch", timeout_s=60,
                                                                zero_stage=stage)
     strategy = strategies[name, stage]
-    reference, ref_loss = fit(name, optimizer, None)
-    split, loss = fit(name, optimizer, strategy)
+    reference, ref_loss = fit(name, optimizer, None, epochs)
+    split, loss = fit(name, optimizer, strategy, epochs)
     x, y, batch = DATA[name]
     entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
              "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
@@ -167,6 +174,14 @@ for name, opt_name, optimizer, stage in RUNS:
         entry["slots"] = [np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables]
         # Every worker calls it, the chief writes (tfdist's saving convention); True where the file was written.
         entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+    if stage == 3:  # this process's parameter pieces (shape, device) per logical variable, read from the variables
+        entry["params"] = {p.name: {"shape": list(p.shape), "pieces": [[list(c.shape), c.device] for c in p.components]}
+                           for p in engine.params}
+        with tfdist.sharding.gathered_state(split):  # every process: the Adam state (per shard), gathered once
+            entry["slots"] = {v.path: np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables}
+        entry["ref_slots"] = {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()  # one device's, by slot name
+                              for v in reference.optimizer.variables}
+        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, f"{name}-zero3.keras"))
     record[tag] = entry
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)

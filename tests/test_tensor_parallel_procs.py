@@ -5,7 +5,9 @@ inside each; tests/tensor_parallel_procs_job.py) checks `fit` of the MLP (SGD an
 with global_clipnorm), the Transformer block (Adam) and the example CNN against one device on the same global
 batches, identical workers, evaluate/predict, the chief's `.keras` file in plain Keras, and where the shards live.
 A second (2 processes x 4 devices, mesh 4 x 2: two rows per process) checks the local-then-global sum and ZeRO
-stages 1 and 2 against stage 0 and one device. The bad meshes are refused before anything
+stages 1 and 2 against stage 0 and one device. A third (2 processes x 2 devices, mesh 2 x 2) checks ZeRO stage 3 over
+the batch axis across the processes (MLP and Transformer block, Adam, 20 steps) against stage 0 and one device, the
+parameter pieces each process holds, and the chief's `.keras` file. The bad meshes are refused before anything
 starts, so those tests need no launch.
 """
 
@@ -27,7 +29,9 @@ from tfdist.errors import ConfigError, InitOrderError
 JOB = os.path.join(os.path.dirname(__file__), "tensor_parallel_procs_job.py")
 TASK = "/job:worker/replica:0/task:{}/device:CPU:{}"
 TAGS = ("mlp-sgd", "mlp-adam", "transformer-adam", "cnn-sgd", "mlp-adam-ema", "mlp-sgd-clip")  # the job's stage 0 runs
-ROW_TAGS = ("mlp-sgd", "mlp-adam", "mlp-adam-zero1", "mlp-adam-zero2")  # 2 processes x 4 devices, mesh 4 x 2
+ROW_TAGS = ("mlp-sgd", "mlp-adam", "mlp-adam-zero1", "mlp-adam-zero2",  # 2 processes x 4 devices, mesh 4 x 2
+            "mlp-adam20-zero3")
+ZERO3_MODELS = ("mlp", "transformer")  # 2 processes x 2 devices, mesh 2 x 2, Adam, 20 steps: stage 0 and stage 3
 
 PLAIN_KERAS = """
 import json, sys
@@ -36,6 +40,8 @@ import keras  # no tfdist: the file must load in plain Keras on one device
 model = keras.models.load_model(sys.argv[1])
 print(json.dumps({"weights": {v.path: np.asarray(v.numpy()).tolist() for v in model.weights},
                   "slots": {v.path: list(v.shape) for v in model.optimizer.variables},
+                  "slot_values": {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()
+                                  for v in model.optimizer.variables},
                   "iterations": int(model.optimizer.iterations.numpy())}))
 """
 
@@ -51,10 +57,7 @@ def job(tmp_path_factory):
     for rank in (0, 1):
         with open(out / f"rank{rank}.json") as f:
             records.append(json.load(f))
-    proc = subprocess.run([sys.executable, "-c", PLAIN_KERAS, str(out / "mlp.keras")], capture_output=True, text=True,
-                          timeout=180, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return records, json.loads(proc.stdout.strip().splitlines()[-1])
+    return records, plain_keras(out / "mlp.keras")
 
 
 def arrays(weights: dict) -> dict:
@@ -121,6 +124,97 @@ def test_the_chiefs_keras_file_loads_in_plain_keras_with_the_trained_weights(job
     assert [r["mlp-adam"]["wrote_keras"] for r in records] == [True, False]  # save_model on both, the chief wrote
 
 
+def plain_keras(path) -> dict:
+    """The `.keras` file at `path` loaded in plain Keras (a fresh process without tfdist)."""
+    proc = subprocess.run([sys.executable, "-c", PLAIN_KERAS, str(path)], capture_output=True, text=True,
+                          timeout=180, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def zero3_job(tmp_path_factory):
+    """2 processes x 2 devices, mesh 2 x 2 (one row per process): the MLP and the Transformer block with Adam for 20
+    steps at zero_stage=0 and 3; each ZeRO-3 model saved by `tfdist.cluster.save_model` on both processes."""
+    out = tmp_path_factory.mktemp("tp_zero3")
+    log = io.StringIO()
+    tags = [f"{m}-adam20{z}" for m in ZERO3_MODELS for z in ("", "-zero3")]
+    rc = launch([sys.executable, JOB, str(out), "2", ",".join(tags)], 2, devices_per_worker=2, out=log,
+                timeout_s=400, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert rc == 0, log.getvalue()[-4000:]
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return records, {m: plain_keras(out / f"{m}-zero3.keras") for m in ZERO3_MODELS}
+
+
+@pytest.mark.slow
+def test_zero3_across_processes_equals_stage_0_and_one_device_with_identical_processes(zero3_job):
+    """ZeRO-3 over the batch axis across processes (each process's row keeps piece r of every variable, the units
+    all-gather and reduce-scatter with TF collectives across the processes) trains as stage 0 and one device."""
+    records, _ = zero3_job
+    for model in ZERO3_MODELS:
+        tag, stage0 = f"{model}-adam20-zero3", f"{model}-adam20"
+        got, ref = arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"])
+        zero = arrays(records[0][stage0]["weights"])
+        assert set(got) == set(ref) == set(zero), tag
+        for path in got:
+            np.testing.assert_array_equal(got[path], arrays(records[1][tag]["weights"])[path], err_msg=f"{tag} {path}")
+            if path == "mha/key/bias":  # rounding noise turned into +-lr steps by Adam (see the stage-0 test)
+                continue
+            scale = max(float(np.max(np.abs(ref[path]))), 1e-3)
+            assert float(np.max(np.abs(got[path] - zero[path]))) <= 1e-4 * scale, (tag, path)
+            assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-4 * scale, (tag, path)
+        assert records[0][tag]["loss"] == records[1][tag]["loss"], tag
+        assert len(records[0][tag]["loss"]) == 5  # 5 epochs x 4 global batches: 20 steps
+        np.testing.assert_allclose(records[0][tag]["loss"], records[0][tag]["ref_loss"], rtol=1e-5)
+        assert records[0][tag]["evaluate"] == records[1][tag]["evaluate"], tag
+        np.testing.assert_allclose(records[0][tag]["evaluate"], records[0][tag]["ref_evaluate"], rtol=1e-4)
+        assert records[0][tag]["slots"] == records[1][tag]["slots"], tag  # gathered Adam state, both processes
+        assert records[0][tag]["loss"][-1] < records[0][tag]["loss"][0], tag  # it trained
+
+
+@pytest.mark.slow
+def test_zero3_across_processes_keeps_half_of_every_parameter_on_each_process(zero3_job):
+    """Each variable (a shard of a split layer on its model position, or a replicated one on the row's first device)
+    is one piece per process: ceil(size / 2) elements, on this process's device of that model position."""
+    records, _ = zero3_job
+    for model in ZERO3_MODELS:
+        for rank, record in enumerate(records):
+            params = record[f"{model}-adam20-zero3"]["params"]
+            assert params, model
+            total, held = 0, 0
+            for name, param in params.items():
+                size = int(np.prod(param["shape"]))
+                [[shape, device]] = param["pieces"]  # one piece here: the other process holds the other half
+                assert shape == [-(-size // 2)], (model, name, param)
+                position = int(name.rsplit("_shard_", 1)[1]) if "_shard_" in name else 0
+                assert device == TASK.format(rank, position), (model, name, device)
+                total, held = total + size, held + shape[0]
+            assert held / total == pytest.approx(0.5, abs=0.01), (model, held, total)
+
+
+@pytest.mark.slow
+def test_zero3_across_processes_the_chiefs_keras_file_holds_the_logical_model_and_adam_state(zero3_job):
+    records, plain = zero3_job
+    for model in ZERO3_MODELS:
+        tag = f"{model}-adam20-zero3"
+        assert [r[tag]["wrote_keras"] for r in records] == [True, False]  # save_model on both, the chief wrote
+        trained, loaded = arrays(records[0][tag]["weights"]), arrays(plain[model]["weights"])
+        assert set(loaded) == set(trained), model
+        for path in trained:
+            np.testing.assert_array_equal(loaded[path], trained[path], err_msg=f"{model} {path}")
+        # The file's Adam state is the logical one (one momentum and velocity per logical variable), equal to one
+        # device's Adam state after the same 20 steps.
+        state, ref = arrays(plain[model]["slot_values"]), arrays(records[0][tag]["ref_slots"])
+        assert set(state) == set(ref), model
+        assert plain[model]["iterations"] == 20
+        for name, value in ref.items():
+            if name.startswith("mha_key_bias"):
+                continue
+            assert state[name].shape == value.shape, (model, name)
+            scale = max(float(np.max(np.abs(value))), 1e-3)
+            assert float(np.max(np.abs(state[name] - value))) <= 1e-4 * scale, (model, name)
+
+
 @pytest.mark.slow
 def test_each_process_holds_one_row_and_its_shards_on_its_own_devices(job):
     records, _ = job
@@ -137,20 +231,21 @@ def test_each_process_holds_one_row_and_its_shards_on_its_own_devices(job):
 
 @pytest.fixture(scope="module")
 def rows_job(tmp_path_factory):
-    """2 processes x 4 devices, mesh 4 x 2: each process holds two rows. The MLP with SGD and Adam at stage 0, and
-    Adam at zero_stage 1 and 2 (each column's state in 4 pieces, two of them in each process)."""
+    """2 processes x 4 devices, mesh 4 x 2: each process holds two rows. The MLP with SGD and Adam at stage 0, Adam
+    at zero_stage 1 and 2 (each column's state in 4 pieces, two of them in each process), and Adam at zero_stage 3
+    for 20 steps (parameters in 4 pieces too), whose chief's `.keras` file is loaded in plain Keras."""
     out = tmp_path_factory.mktemp("tp_rows")
     log = io.StringIO()
     rc = launch([sys.executable, JOB, str(out), "4", ",".join(ROW_TAGS)], 2, devices_per_worker=4, out=log,
                 timeout_s=300, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)], plain_keras(out / "mlp-zero3.keras")
 
 
 @pytest.mark.slow
 def test_two_rows_per_process_sum_locally_then_across_processes(rows_job):
     # A gradient is summed over the process's two rows first, then across the processes.
-    records = rows_job
+    records, _ = rows_job
     for rank, record in enumerate(records):
         assert record["num_replicas"] == 4
         assert record["mesh_rows"] == [[TASK.format(rank, 0), TASK.format(rank, 1)],
@@ -168,7 +263,7 @@ def test_zero_with_two_rows_per_process_equals_stage_0_and_one_device_on_both_pr
     then each row slices its piece) and stage 2 (all-to-all reduce-scatter) give stage 0's weights, identical on
     both processes, each piece on this process's own devices. Stage 2 runs on a mesh whose local rows go against
     device order (TF ranks a group's members by device index: a piece's index must follow that rank)."""
-    records = rows_job
+    records, _ = rows_job
     for rank, record in enumerate(records):
         assert record["mlp-adam-zero1"]["mesh_rows"] == record["mesh_rows"]
         assert record["mlp-adam-zero2"]["mesh_rows"] == [[TASK.format(rank, 2), TASK.format(rank, 3)],
@@ -192,6 +287,36 @@ def test_zero_with_two_rows_per_process_equals_stage_0_and_one_device_on_both_pr
             assert sorted(p[0][0] for p in pieces) == [248] * 4 + [278] * 4, (tag, pieces)
             assert {p[1] for p in pieces} == {TASK.format(rank, i) for i in range(4)}, (tag, pieces)
     assert not np.allclose(zero["up1/kernel"], arrays(records[0]["mlp-sgd"]["weights"])["up1/kernel"])  # trained
+
+
+@pytest.mark.slow
+def test_zero3_with_two_rows_per_process_equals_one_device_with_a_quarter_of_every_parameter_per_row(rows_job):
+    """ZeRO-3 with two rows per process (on a mesh whose rows run against device order, as ZeRO-2's above): each
+    column's group is both processes' two rows, each row keeps piece r of every variable of its column (r: TF's rank
+    of its device in the group), the units all-gather and reduce-scatter across the processes."""
+    records, plain = rows_job
+    tag = "mlp-adam20-zero3"
+    got, ref = arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"])
+    assert set(got) == set(ref)
+    for path in got:
+        np.testing.assert_array_equal(got[path], arrays(records[1][tag]["weights"])[path], err_msg=path)
+        assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-4 * max(float(np.max(np.abs(ref[path]))), 1e-3), path
+    np.testing.assert_allclose(records[0][tag]["loss"], records[0][tag]["ref_loss"], rtol=1e-5)
+    assert records[0][tag]["loss"][-1] < records[0][tag]["loss"][0]
+    for rank, record in enumerate(records):
+        for name, param in record[tag]["params"].items():
+            size, position = int(np.prod(param["shape"])), int(name.rsplit("_shard_", 1)[1]) if "_shard_" in name else 0
+            assert [shape for shape, _ in param["pieces"]] == [[-(-size // 4)]] * 2, (name, param)
+            assert {d for _, d in param["pieces"]} == {TASK.format(rank, position), TASK.format(rank, 2 + position)}
+    assert [r[tag]["wrote_keras"] for r in records] == [True, False]
+    loaded = arrays(plain["weights"])
+    assert set(loaded) == set(got)
+    for path in got:
+        np.testing.assert_array_equal(loaded[path], got[path], err_msg=path)
+    state, ref_state = arrays(plain["slot_values"]), arrays(records[0][tag]["ref_slots"])
+    assert set(state) == set(ref_state)
+    for name, value in ref_state.items():
+        assert float(np.max(np.abs(state[name] - value))) <= 1e-4 * max(float(np.max(np.abs(value))), 1e-3), name
 
 
 DIFFERENT_MODELS = """

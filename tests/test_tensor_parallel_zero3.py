@@ -47,9 +47,12 @@ def test_unsupported_combinations_raise_config_errors_naming_zero_stage(monkeypa
         fit(strategy_for(zero_stage=3), lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0), epochs=1)
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
                                                 "task": {"type": "worker", "index": 0}}))
-    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for t in range(2) for i in range(2)]
-    mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), devices)
-    with pytest.raises(ConfigError, match=r"zero_stage=3 on ModelParallelStrategy across processes is not supported"):
+    # Across processes (tests/test_tensor_parallel_procs.py runs rows inside processes): rows that span processes
+    # (the model axis across them) are refused before anything starts.
+    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:{i}" for t in range(2) for i in range(4)]
+    monkeypatch.setenv("TFDIST_LOCAL_DEVICES", "4")
+    mesh = tfdist.DeviceMesh((1, 8), ("batch", "model"), devices)
+    with pytest.raises(ConfigError, match=r"zero_stage=3 with the model axis across processes"):
         tfdist.ModelParallelStrategy(mlp_layout(mesh), zero_stage=3)
 
 

@@ -175,7 +175,7 @@ class FsdpUnit:
 
     def _merge_gather(self, strategy, *local):
         return tuple(_per_replica(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
-                                  comm.shard_ids[0]) for x, (comm, _) in zip(local, self.groups))
+                                  min(comm.shard_ids)) for x, (comm, _) in zip(local, self.groups))
 
     def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
         """This replica's pieces of the sum over replicas of the weight gradients."""
@@ -206,7 +206,7 @@ class FsdpUnit:
             local = [strategy.experimental_local_results(c) for c in chunks[at:at + n]]  # [destination][replica]
             at += n
             out.append(_per_replica(strategy, comm.reduce_scatter(
-                [[local[r][i] for r in range(n)] for i in range(len(comm.devices))]), comm.shard_ids[0]))
+                [[local[r][i] for r in range(n)] for i in range(len(comm.devices))]), min(comm.shard_ids)))
         return tuple(out)
 
 
@@ -234,6 +234,8 @@ def _fresh(x: tf.Tensor) -> tf.Tensor:
 
 
 def _per_replica(strategy, values: list, first: int):
-    """Local replica i (global replica `first + i`) gets values[i] back from a merge_call."""
+    """Local replica i (global replica `first + i`) gets values[i] back from a merge_call. `first` is this process's
+    first global replica: the smallest of the group's local shard ids, which are this process's replicas in some
+    order (across processes a group's shard ids follow TF's rank of its devices, not the local replica order)."""
     return strategy.experimental_distribute_values_from_function(
         lambda ctx: values[ctx.replica_id_in_sync_group - first])

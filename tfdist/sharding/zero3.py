@@ -130,7 +130,9 @@ class Zero3Engine(ZeroEngine):
         pieces = []  # [local replica][variable]: the gradient pieces, as they came from the reduce-scatter
         for i, device in enumerate(self.comm.devices):
             with tf.device(device):
-                pieces.append([tf.cast(g[i], self.dtype) for g in grads])
+                # The static piece shape: a reduce-scatter across processes (TF collectives) may leave it unknown.
+                pieces.append([tf.ensure_shape(tf.cast(g[i], self.dtype), [k])
+                               for g, k in zip(grads, self.layout.piece_sizes)])
         self.kept_gradient_bytes = [sum(int(np.prod(g.shape)) * g.dtype.size for g in row) for row in pieces]
         self._apply_pieces(pieces, params, lrs)
 

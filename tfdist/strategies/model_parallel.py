@@ -75,11 +75,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             state is cut into R pieces (R rows), piece r on row r's copy of that variable (its shard's device, or
             the row's first device of its stage for replicated variables); each row updates its piece with the
             summed gradient and the updated variable is all-gathered to every row; 2: each row also keeps only
-            its piece of the summed gradient; 3 (in one process, rank-2 or rank-3 mesh): the parameters too, each
-            variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per layer for
-            its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP). Element-wise
-            optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`); checkpoints still hold
-            the full logical state. Every stage clips the summed gradient (`clipnorm`, `clipvalue`,
+            its piece of the summed gradient; 3 (rank-2 or rank-3 mesh; across processes rank-2): the parameters
+            too, each variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per
+            layer for its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP).
+            Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`);
+            checkpoints still hold the full logical state. Every stage clips the summed gradient (`clipnorm`, `clipvalue`,
             `global_clipnorm`) and runs Keras' `use_ema` as one device does.
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
@@ -129,7 +129,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     ZeRO over the batch axis (`zero_stage=1` or 2; across processes too, with any rows per process): each row keeps
     1/R of every variable's optimizer state, on its own copy of the variable; checkpoints stay logical.
-    `zero_stage=3` (one process) also cuts the parameters and gradients into R pieces.
+    `zero_stage=3` also cuts the parameters and gradients into R pieces (across processes too: save with
+    `tfdist.cluster.save_model` on every process).
         >>> strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", zero_stage=1)
         >>> print(strategy.memory_report(model))       # after fit: optimizer bytes per device 1/R of stage 0's
     """

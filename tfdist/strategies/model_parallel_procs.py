@@ -319,10 +319,6 @@ def row_span(strategy, rows: ProcessRows) -> RowSpan:
 
 def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_name: str) -> None:
     """What a mesh across processes does not run yet, refused before anything starts."""
-    if zero_stage == 3:
-        raise ConfigError("zero_stage=3 on ModelParallelStrategy across processes is not supported yet; it runs "
-                          "on a mesh of this process's devices. Use zero_stage=2 (optimizer state and gradients "
-                          "sharded over the batch axis), or a mesh of one process's devices.")
     if rows.span_first is not None and zero_stage:
         raise ConfigError(f"zero_stage={zero_stage} with the model axis across processes (a mesh row that spans "
                           "processes) is not supported: its optimizer state is already split with the shards. Use "
