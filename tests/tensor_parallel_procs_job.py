@@ -12,64 +12,12 @@ import sys
 
 out = sys.argv[1]
 import tfdist
+from tp_models import cnn_layout, mlp, mlp_layout, transformer_block, transformer_layout  # keras inside them
 
 # First thing: the mesh over every process's devices, then the strategy (collectives configured before TF starts).
 devices = tfdist.cluster.list_devices()
 rows = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 mesh = tfdist.DeviceMesh((rows, len(devices) // rows), ("batch", "model"), devices)
-
-
-# The models and layouts of tests/test_tensor_parallel.py (copied: this script must not import pytest modules).
-def mlp():
-    import keras
-    inputs = keras.Input((12,))
-    x = keras.layers.Dense(32, activation="relu", name="up1")(inputs)
-    x = keras.layers.Dense(16, activation="tanh", name="down1")(x)
-    x = keras.layers.Dense(32, activation="relu", name="up2")(x)
-    x = keras.layers.Dense(16, name="down2")(x)
-    return keras.Model(inputs, keras.layers.Dense(5, name="head")(x))
-
-
-def mlp_layout(mesh):
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map["up.*/kernel"] = (None, "model")
-    layout_map["up.*/bias"] = ("model",)
-    layout_map["down.*/kernel"] = ("model", None)
-    return layout_map
-
-
-def transformer_block():
-    import keras
-    inputs = keras.Input((6, 16))
-    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8, name="mha")(inputs, inputs)
-    x = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
-    h = keras.layers.Dense(32, activation="relu", name="ff_up")(x)
-    h = keras.layers.Dense(16, name="ff_down")(h)
-    x = keras.layers.LayerNormalization(name="ln2")(x + h)
-    x = keras.layers.GlobalAveragePooling1D()(x)
-    return keras.Model(inputs, keras.layers.Dense(3, name="out")(x))
-
-
-def transformer_layout(mesh):
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map["mha/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map["mha/(query|key|value)/bias"] = ("model", None)
-    layout_map["mha/attention_output/kernel"] = ("model", None, None)
-    layout_map["ff_up/kernel"] = (None, "model")
-    layout_map["ff_up/bias"] = ("model",)
-    layout_map["ff_down/kernel"] = ("model", None)
-    return layout_map
-
-
-def cnn_layout(mesh):
-    layout_map = tfdist.LayoutMap(mesh)
-    layout_map[".*conv1/kernel"] = (None, None, None, "model")
-    layout_map[".*conv1/bias"] = ("model",)
-    layout_map[".*conv2/kernel"] = (None, None, "model", None)
-    layout_map[".*dense1/kernel"] = (None, "model")
-    layout_map[".*dense1/bias"] = ("model",)
-    layout_map[".*logits/kernel"] = ("model", None)
-    return layout_map
 
 
 def rows_reversed(devices: list, cols: int) -> list:
