@@ -260,8 +260,9 @@ def test_horovod_job_survives_a_kill_and_a_silent_peer(tmp_path, reference):
     pytest.importorskip("horovod.tensorflow")
     rc, lines, out = _train(tmp_path, "elastic", "horovod", FAULTS.format(stop=1), max_restarts=2)
     assert rc == 0, lines.text()[-4000:]
+    # Who notices the silent rank first varies from run to run (Gloo's 15 s recv timeout on its peer, or the
+    # launcher's check of stopped workers); check_elastic_run asserts it is named and the job resumes either way.
     check_elastic_run(lines, out, reference, stopped_rank=1)
-    assert "Timed out waiting 15000ms for recv operation" in lines.text()  # Gloo gave up on the silent rank
 
 
 # --- SLURM: the multi-worker template relaunches its srun step ---------------------------------------------------
