@@ -19,7 +19,7 @@ from tfdist._compat import keras_optimizer
 from tfdist._compat.distribute import regroup_per_replica
 from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.sharding.clipping import clip_pieces
-from tfdist.sharding.zero import tf_variable
+from tfdist.sharding.zero import overwrite_every, tf_variable
 
 __all__ = ["SummedGradientUpdate"]
 
@@ -116,10 +116,4 @@ class SummedGradientUpdate:
             if average is not None:
                 strategy.extended.update(tf_variable(average), average_fn, args=(tf_variable(variable),),
                                          group=False)
-        if opt.ema_overwrite_frequency:
-            def overwrite():
-                keras_optimizer.overwrite_with_average(opt)
-                return tf.constant(True)
-
-            tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
-                    lambda: tf.constant(False))
+        overwrite_every(opt, iterations, lambda: keras_optimizer.overwrite_with_average(opt))

@@ -16,7 +16,7 @@ from tfdist.sharding.layout import FlatLayout
 from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
 from tfdist.sharding.slot_shards import SlotShards
 
-__all__ = ["ZeroEngine"]
+__all__ = ["ZeroEngine", "overwrite_every"]
 
 
 class ZeroEngine:
@@ -287,13 +287,7 @@ class ZeroEngine:
         if not opt.use_ema:
             return
         self._update_averages(params, iterations)
-        if opt.ema_overwrite_frequency:
-            def overwrite():
-                self.overwrite_with_average(params)
-                return tf.constant(True)
-
-            tf.cond(tf.equal((iterations + 1) % opt.ema_overwrite_frequency, 0), overwrite,
-                    lambda: tf.constant(False))
+        overwrite_every(opt, iterations, lambda: self.overwrite_with_average(params))
 
     def _update(self, shards: list, params: list, lrs: list) -> None:
         """Clip the reduced gradient shards, decay and update each owner's parameter shard with the
@@ -382,3 +376,16 @@ def tf_variable(variable):
 
 def _name(variable) -> str:
     return getattr(variable, "path", None) or variable.name
+
+
+def overwrite_every(optimizer, iterations, overwrite) -> None:
+    """Runs `overwrite()` (the EMA averages into the model) every `ema_overwrite_frequency` steps, as Keras'
+    optimizer does (`iterations`: the step count before this step's increment); nothing without a frequency."""
+    if not optimizer.ema_overwrite_frequency:
+        return
+
+    def run():
+        overwrite()
+        return tf.constant(True)
+
+    tf.cond(tf.equal((iterations + 1) % optimizer.ema_overwrite_frequency, 0), run, lambda: tf.constant(False))
