@@ -54,7 +54,8 @@ def test_bench_allreduce_tf_backend_writes_bus_bandwidth(tmp_path):
 def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_path):
     path, png = tmp_path / "zero.json", tmp_path / "zero.png"
     proc = subprocess.run([*TFDIST, "bench", "zero", "--processes", "2", "--backend", "tf", "--width", "256",
-                           "--proc-steps", "2", "--proc-batch-size", "16", "--json", str(path), "--png", str(png)],
+                           "--proc-steps", "2", "--proc-batch-size", "16", "--proc-rounds", "2",
+                           "--json", str(path), "--png", str(png)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(path.read_text())
@@ -74,9 +75,18 @@ def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_pat
     # stage 3 once more with fsdp_prefetch=True (its step time, reported next to stage 3's)
     prefetched = record["per_rank"]["pooled"]["3_prefetch"]
     assert sorted(r["rank"] for r in prefetched) == [0, 1] and all(r["prefetch"] and r["stage"] == 3 for r in prefetched)
-    assert record["median_step_ms_stage3_prefetch"] == max(r["median_step_ms"] for r in prefetched) > 0
-    assert record["savings"]["3"]["prefetch_step_ratio_to_stage0"] == pytest.approx(
-        record["median_step_ms_stage3_prefetch"] / record["median_step_ms"]["0"])
+    # step times: every variant launched once per round (2 rounds, interleaved); ratios taken within a round
+    rounds = record["step_ms_rounds"]
+    assert sorted(rounds) == ["0", "1", "2", "3", "3_prefetch"] and all(len(t) == 2 for t in rounds.values())
+    assert all(r["round"] == 0 for r in prefetched) and rounds["3_prefetch"][0] == max(
+        r["median_step_ms"] for r in prefetched) > 0
+    for key in ("1", "2", "3", "3_prefetch"):
+        ratios = [t / t0 for t, t0 in zip(rounds[key], rounds["0"])]
+        assert record["step_ratio_rounds"][key] == pytest.approx(ratios)
+        assert record["step_ratio_spread"][key] == pytest.approx(
+            {"median": sum(ratios) / 2, "min": min(ratios), "max": max(ratios), "rounds": 2})
+    assert record["savings"]["3"]["prefetch_step_ratio_to_stage0"] == record["step_ratio_spread"]["3_prefetch"]["median"]
+    assert record["median_step_ms_stage3_prefetch"] == pytest.approx(sum(rounds["3_prefetch"]) / 2)
     assert "ZeRO-3 with fsdp_prefetch=True" in proc.stdout
 
 

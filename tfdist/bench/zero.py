@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="horovod", choices=("horovod", "tf"),
                    help="with --processes: launcher backend (horovod: HorovodStrategy; tf: MultiWorkerMirroredStrategy)")
     p.add_argument("--proc-steps", type=int, default=10, help="with --processes: timed steps per stage")
+    p.add_argument("--proc-rounds", type=int, default=5,
+                   help="with --processes: interleaved rounds of step-time launches (median of the per-round ratios)")
     p.add_argument("--proc-batch-size", type=int, default=64, help="with --processes: global batch size")
     p.add_argument("--json", default="bench_zero.json", help="where to write the JSON record")
     p.add_argument("--png", default="bench_zero.png", help="where to write the figure ('' to skip)")
