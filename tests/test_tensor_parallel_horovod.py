@@ -7,7 +7,8 @@ tests/tensor_parallel_horovod_job.py, where the strategy picks Horovod itself, b
 - 2 ranks x 1 device, mesh 1 x 2: one row over both ranks (the model axis across them); the split layers' sums are
   hvd.allreduce in the row's process set (here every rank: Horovod's global set);
 - 4 ranks x 1 device, mesh 2 x 2: two rows of two ranks; each row's sums in its own process set ({0, 1}, {2, 3}),
-  the rows' gradients in the set of the ranks at the same place ({0, 2}, {1, 3}), added as dynamic process sets.
+  the rows' gradients in the set of the ranks at the same place ({0, 2}, {1, 3}), added as dynamic process sets;
+- 2 ranks x 1 device, mesh 1 x 2, under mpirun (Horovod's MPI controller).
 Each checks `fit` of the MLP (SGD <= 1e-5, Adam <= 1e-4 relative) and the Transformer block (Adam) against one
 device on the same batches, every rank bit-identical, replicated variables and their optimizer state bit-identical,
 the collective ops of a traced step (Horovod's, no TF collective), evaluate, and the chief's `.keras` in plain Keras.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -155,6 +157,31 @@ def test_two_rows_of_two_ranks_use_a_process_set_per_row_and_per_place(tmp_path)
         # 3 row sums in the row's set, 1 grouped gradient sum in the place's set, nothing through TF collectives
         assert record["mlp-sgd"]["ops"] == {"HorovodAllreduce": 3, "HorovodGroupedAllreduce": 1, "HorovodAllgather": 0,
                                             "CollectiveReduceV2": 0, "CollectiveGatherV2": 0}
+
+
+@pytest.mark.slow
+def test_one_row_over_two_ranks_under_mpirun(tmp_path):
+    # Horovod's MPI controller: mpirun sets OMPI_COMM_WORLD_RANK/SIZE (no HOROVOD_* variables); same checks.
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    env = {**os.environ, **ENV, "TFDIST_LOCAL_DEVICES": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "TF_CONFIG", "TFDIST_RANK"):
+        env.pop(var, None)
+    cmd = [mpirun, "-np", "2", "--oversubscribe", *[a for v in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
+                                                               "TFDIST_LOCAL_DEVICES") for a in ("-x", v)],
+           sys.executable, JOB, str(tmp_path), "1", "mlp-sgd,mlp-adam"]
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["backend"] for r in records] == ["horovod", "horovod"]
+    check_fit(records, ("mlp-sgd", "mlp-adam"))
+    for rank, record in enumerate(records):
+        assert record["num_replicas"] == 1
+        assert all(path.endswith(f"_shard_{rank}") for entries in record["mlp-sgd"]["shards"].values()
+                   for path, _, _ in entries)
+        assert record["mlp-sgd"]["ops"]["HorovodAllreduce"] == 3 and record["mlp-sgd"]["ops"]["CollectiveReduceV2"] == 0
 
 
 # --- choosing the backend (no launch) -------------------------------------------------------------------------
