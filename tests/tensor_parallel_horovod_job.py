@@ -6,7 +6,7 @@ Global mesh ROWS x (P*M/ROWS) over `tfdist.cluster.list_devices()` (process r = 
 rank whole rows (the batch axis across the ranks), ROWS = 1 one row over every rank (the model axis across them).
 The strategy picks Horovod itself (backend="auto" under the Horovod launcher). TAGS: comma-separated run tags
 (default: all). Writes OUT/rank{r}.json with, per run, the logical weights (a collective read when rows span
-ranks), the one-device reference's, the replicated variables and optimizer slots, evaluate, the exchanges and
+ranks), the one-device reference's, the replicated variables and optimizer slots, evaluate, predict, the exchanges and
 collective ops of a traced step; the chief also writes
 OUT/mlp.keras (`tfdist.cluster.save_model` on every rank).
 """
@@ -100,6 +100,8 @@ for name, opt_name, optimizer in RUNS:
     entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
              "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
              "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
+             "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
+             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist(),
              "shards": {f"{s.name}/{role}": [[v.path, list(v.shape), [c.device for c in v.value.values]] for v in vs]
                         for s in plan.layers for role, vs in s.shards.items()},
              "replicated": {v.path: np.asarray(v.numpy()).tolist() for v in split.weights if "_shard_" not in v.path},

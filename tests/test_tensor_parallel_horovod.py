@@ -11,7 +11,8 @@ tests/tensor_parallel_horovod_job.py, where the strategy picks Horovod itself, b
 - 2 ranks x 1 device, mesh 1 x 2, under mpirun (Horovod's MPI controller).
 Each checks `fit` of the MLP (SGD <= 1e-5, Adam <= 1e-4 relative) and the Transformer block (Adam) against one
 device on the same batches, every rank bit-identical, replicated variables and their optimizer state bit-identical,
-the collective ops of a traced step (Horovod's, no TF collective), evaluate, and the chief's `.keras` in plain Keras.
+the collective ops of a traced step (Horovod's, no TF collective), evaluate, predict, and the chief's `.keras` in
+plain Keras.
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ def test_each_rank_holds_its_rows_or_its_part_of_the_row(job):
             for role, entries in record[tag]["shards"].items():
                 expected = [(f"_shard_{first + k}", [LOCAL.format(k)]) for k in range(m)]
                 assert [(path[path.rindex("_shard_"):], where) for path, _, where in entries] == expected, (tag, role)
+
+
+@pytest.mark.slow
+def test_predict_gives_each_row_its_part_of_every_batch(job):
+    (rows, _), records, _ = job
+    batch = {"mlp": 16, "transformer": 8}
+    for tag in TAGS:
+        full = np.asarray(records[0][tag]["ref_predict"])
+        b = batch[tag.split("-")[0]]
+        for rank, record in enumerate(records):  # rows across the ranks: rank r's rows; one row: the whole batch
+            mine = [i for i in range(len(full)) if rows == 1 or (i % b) // (b // 2) == rank]
+            np.testing.assert_allclose(record[tag]["predict"], full[mine], atol=1e-5, err_msg=tag)
 
 
 @pytest.mark.slow
