@@ -112,6 +112,13 @@ for name, opt_name, optimizer in RUNS:
     if tag == "mlp-adam":
         entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
     record[tag] = entry
+# tfdist.comm next to the strategies: its groups are Horovod process sets too, some the same as the mesh's (on
+# 4 ranks, the row {0, 1} is also a send/recv pair): they are shared, not added twice.
+tfdist.comm.init(backend="horovod")
+pair = tfdist.comm.new_group([0, 1])
+if pair.rank is not None:
+    record["comm_pair_sum"] = float(tfdist.comm.all_reduce(tf.constant(rank + 1.0), group=pair).numpy())
+record["comm_world_sum"] = float(tfdist.comm.all_reduce(tf.constant(1.0)).numpy())
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print(f"rank {rank} done", flush=True)

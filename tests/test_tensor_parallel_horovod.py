@@ -109,6 +109,7 @@ def test_fit_over_horovod_ranks_equals_one_device_and_ranks_stay_bit_identical(j
     _, records, _ = job
     assert [r["backend"] for r in records] == ["horovod", "horovod"]  # "auto" under the Horovod launcher
     check_fit(records)
+    assert [(r["comm_pair_sum"], r["comm_world_sum"]) for r in records] == [(3.0, 2.0)] * 2  # tfdist.comm after it
 
 
 @pytest.mark.slow
@@ -172,6 +173,8 @@ def test_two_rows_of_two_ranks_use_a_process_set_per_row_and_per_place(tmp_path)
         for tag in ("mlp-sgd", "transformer-adam"):
             assert record[tag]["ops"] == {"HorovodAllreduce": 3, "HorovodGroupedAllreduce": 1, "HorovodAllgather": 0,
                                           "CollectiveReduceV2": 0, "CollectiveGatherV2": 0}, tag
+        # tfdist.comm afterwards: its group [0, 1] is row 0's process set, shared (Horovod refuses a duplicate)
+        assert record.get("comm_pair_sum") == (3.0 if rank < 2 else None) and record["comm_world_sum"] == 4.0
 
 
 @pytest.mark.slow
