@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tfdist._compat.horovod_sets import registered_process_set
 from tfdist.comm.horovod import horovod
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
@@ -71,6 +72,11 @@ class HorovodBackend(Backend):
 
     def _process_set(self, ranks: tuple[int, ...]):
         if ranks not in self._sets:
+            # A set another caller registered (a ModelParallelStrategy's mesh rows): Horovod refuses a duplicate.
+            found = registered_process_set(self._hvd, ranks)
+            if found is not None:
+                self._sets[ranks] = found
+                return found
             if not self._dynamic:
                 raise ConfigError(
                     "tfdist.comm.new_group: Horovod was initialised (e.g. by a HorovodStrategy) without dynamic "

@@ -9,9 +9,10 @@ import tensorflow as tf
 __all__ = ["collective_bytes", "collective_counts"]
 
 # name scope of an exchange -> the op types that carry it (see tensor_parallel_ops): inside a process a sum or a
-# concat on the home device; across processes the row's collective (its local sum or concat sits outside the scope)
-KINDS = {"tp_all_reduce": ("AddN", "CollectiveReduceV2"), "tp_all_gather": ("ConcatV2", "CollectiveGatherV2"),
-         "tp_scatter": ("Split", "SplitV")}
+# concat on the home device; across processes the row's collective, TF's or Horovod's (its local sum or concat
+# sits outside the scope)
+KINDS = {"tp_all_reduce": ("AddN", "CollectiveReduceV2", "HorovodAllreduce"),
+         "tp_all_gather": ("ConcatV2", "CollectiveGatherV2", "HorovodAllgather"), "tp_scatter": ("Split", "SplitV")}
 
 
 def _scope(op_type: str, name: str) -> str | None:

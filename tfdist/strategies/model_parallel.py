@@ -24,6 +24,7 @@ from tfdist.sharding.config import check_stage
 from tfdist.sharding.summed_update import SummedGradientUpdate
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.strategies.model_parallel_horovod import choose_backend, horovod_row_span, horovod_rows, start_horovod
 from tfdist.strategies.model_parallel_procs import (
     check_process_options,
     process_rows,
@@ -81,6 +82,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`);
             checkpoints still hold the full logical state. Every stage clips the summed gradient (`clipnorm`, `clipvalue`,
             `global_clipnorm`) and runs Keras' `use_ema` as one device does.
+        backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod" (see below).
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
     '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
@@ -94,6 +96,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     `tfdist.cluster.list_devices()`, or B rows of P / B processes each) runs SPMD like Megatron-LM: each process
     creates and computes only its own shards, the processes of a row read the same data, the split layers'
     sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only.
+
+    With Horovod (`backend`: "auto" (Horovod under horovodrun / mpirun / `tfdist launch --backend horovod`, TF
+    collectives with TF_CONFIG), "tf" or "horovod"): the same meshes, stage 0; gradients go through grouped
+    `hvd.allreduce`, a row's sums through `hvd.allreduce` in the row's process set (docs/tensor-parallel.md).
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -137,7 +143,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
                  placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
-                 timeout_s: float = 60.0, zero_stage: int = 0):
+                 timeout_s: float = 60.0, zero_stage: int = 0, backend: str = "auto"):
         self.zero_stage = check_stage(zero_stage, (0, 1, 2, 3))
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
@@ -160,15 +166,18 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         self._logical_saving: weakref.WeakSet = weakref.WeakSet()  # optimizers that save their state logically
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
         self.rank, self.size, self._first_row = 0, 1, 0  # this process among the job's (tfdist.cluster.rank)
-        rows = process_rows(self._grid)
+        self.backend = choose_backend(backend)  # across processes: TF collectives or Horovod
+        tf_backend = self.backend == "tf"
+        rows = process_rows(self._grid) if tf_backend else horovod_rows(self._grid, self.timeout_s)
         self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.cluster.save_model
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
-            check_process_options(rows, self.zero_stage, self._groups, stage_dim_name)
-            make_extended, self._server = start_processes(self, rows, self.timeout_s)
+            check_process_options(rows, self.zero_stage, self._groups, stage_dim_name, self.backend)
+            make_extended, self._server = (start_processes if tf_backend else start_horovod)(self, rows, self.timeout_s)
             self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
             tf_distribute.init_strategy(self, make_extended)
             if self.saves_collectively:  # the model axis across processes: this process's part of its row
-                self._grid = [RowDevices(rows.local_grid[0], row_span(self, rows))]
+                span = row_span(self, rows) if tf_backend else horovod_row_span(rows, self._server)
+                self._grid = [RowDevices(rows.local_grid[0], span)]
             return
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.

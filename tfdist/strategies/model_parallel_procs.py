@@ -48,7 +48,8 @@ from tfdist.errors import ConfigError, InitOrderError
 from tfdist.placement.mesh_devices import local_name, names_a_task, task_of
 from tfdist.placement.tensor_parallel_span import RowSpan
 
-__all__ = ["ProcessRows", "check_process_options", "process_rows", "row_span", "start_processes", "zero_collectives"]
+__all__ = ["ProcessRows", "RowsOfSpan", "check_process_options", "process_rows", "row_span", "start_processes",
+           "zero_collectives"]
 
 _STARTED: dict = {}  # "server": (TF_CONFIG of the job this process joined, the object keeping its server)
 
@@ -68,12 +69,14 @@ class ProcessRows:
     span_rows: int = 1             # ... and the mesh's rows (B; first_row is then this process's row)
 
 
-def process_rows(grid: Sequence[Sequence[str]], environ=None) -> ProcessRows | None:
+def process_rows(grid: Sequence[Sequence[str]], environ=None,
+                 config: ClusterConfig | None = None) -> ProcessRows | None:
     """Checks a mesh grid (rows x model positions) against the job: None for a mesh of local devices in a process
     that is not part of a multi-process job; else this process's rows. ConfigError, naming the fix, for a mesh
     that does not fit the job (unknown tasks, a row that straddles processes, uneven or differently placed rows,
-    a device count other than processes x devices per process)."""
-    config = tf_config_from_env(environ)
+    a device count other than processes x devices per process). `config`: the job instead of TF_CONFIG (Horovod's
+    ranks as workers, `model_parallel_horovod`)."""
+    config = tf_config_from_env(environ) if config is None else config
     multi = config is not None and config.num_workers > 1
     flat = [d for row in grid for d in row]
     if not any(names_a_task(d) for d in flat):
@@ -290,7 +293,7 @@ def _make_span_rows_extended(strategy, rows: ProcessRows, timeout_s: float):
         world = device_launchers(strategy, [home], rows.size, timeout_s, first_group=q * len(local) + b,
                                  tokens=tokens)[0]
         ops = DeviceGroupAllReduce(across, b)
-        extended = SpanRowsExtended(strategy, [home], ops, _Rows(rows.first_row, b),
+        extended = SpanRowsExtended(strategy, [home], ops, RowsOfSpan(rows.first_row, b),
                                     ProcessDevices(rows.rank, rows.size, world))
         extended.row_launcher = row
         return extended
@@ -299,7 +302,7 @@ def _make_span_rows_extended(strategy, rows: ProcessRows, timeout_s: float):
 
 
 @dataclasses.dataclass
-class _Rows:
+class RowsOfSpan:
     """The data-parallel view of rows that span processes: this process's row (rank) among B (size)."""
 
     rank: int
@@ -317,8 +320,13 @@ def row_span(strategy, rows: ProcessRows) -> RowSpan:
                    all_gather=lambda t: launcher_all_gather(launcher, t))
 
 
-def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_name: str) -> None:
+def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_name: str,
+                          backend: str = "tf") -> None:
     """What a mesh across processes does not run yet, refused before anything starts."""
+    if backend == "horovod" and zero_stage:
+        raise ConfigError(f"zero_stage={zero_stage} with ModelParallelStrategy(backend='horovod') across processes is "
+                          "not supported yet (ZeRO's groups over the batch axis are TF collective groups per mesh "
+                          "column). Use zero_stage=0, or backend='tf' (tfdist launch).")
     if rows.span_first is not None and zero_stage:
         raise ConfigError(f"zero_stage={zero_stage} with the model axis across processes (a mesh row that spans "
                           "processes) is not supported: its optimizer state is already split with the shards. Use "
