@@ -16,6 +16,7 @@ from tfdist.placement.layer_call import colocate_with_inputs
 from tfdist.placement.layout_map import LayoutMap, as_layout_map
 from tfdist.placement.pipeline import check_batch
 from tfdist.placement.tensor_parallel_span import RowDevices
+from tfdist.placement.tensor_parallel_optimizer import logical_keys
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
@@ -331,6 +332,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         shards = {id(shard) for _, plan in self._plans.values() for split in plan.layers
                   for parts in split.shards.values() for shard in parts}
         # Before Keras' build creates the slots; a LossScaleOptimizer's inner optimizer is the one sharded.
+        # clipnorm takes each logical variable's norm (over its shards); keys say which shards belong together
+        logical = logical_keys([plan for _, plan in self._plans.values()], variables)
         if self.zero_stage and engine_of(optimizer) is None and not isinstance(
                 optimizer, keras.optimizers.LossScaleOptimizer):
             devices = [[c.device for c in self.experimental_local_results(tf_variable(v))] for v in variables]
@@ -340,13 +343,15 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
                                       "strategy's scope; the optimizer is being built for variables of no such model. "
                                       "Create the model (and compile it) inside `with strategy.scope():`.")
                 engine = GroupedZero3Engine(optimizer, variables, devices, target, **self._zero_collectives(),
-                                            whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention))
+                                            whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention),
+                                            logical=logical)
             else:
-                engine = GroupedZeroEngine(optimizer, variables, devices, self.zero_stage, **self._zero_collectives())
+                engine = GroupedZeroEngine(optimizer, variables, devices, self.zero_stage, **self._zero_collectives(),
+                                           logical=logical)
             register_engine(optimizer, engine)
         # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
         if not self.zero_stage and SummedGradientUpdate.needed(optimizer):
-            SummedGradientUpdate.attach(optimizer)
+            SummedGradientUpdate.attach(optimizer, {id(v): key for v, key in zip(variables, logical)})
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           functools.partial(self._slot_reference, optimizer))

@@ -1,0 +1,65 @@
+"""Clipping on ModelParallelStrategy by the norms one device takes: `clipnorm` by each logical variable's norm
+(a split variable's shards sit on several devices, in several ZeRO groups: the norm is sqrt of the sum of its
+shards' squared norms), `global_clipnorm` by the norm over every group, also at zero_stage=3 and with
+`gradient_accumulation_steps`. Checked against one device with the global batch."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from test_tensor_parallel_zero import assert_close, fit, logical_weights, strategy_for
+
+# 0.02 (clipnorm) and 0.05 (global) are below the gradients' norms: the clipping changes every step.
+CLIPNORM_SGD = lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02)  # noqa: E731
+GLOBAL_ADAM = lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05)  # noqa: E731
+GLOBAL_SGD_ACCUMULATED = lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05,  # noqa: E731
+                                                      gradient_accumulation_steps=2)
+_ONE: dict = {}
+
+
+def one_device(name: str, optimizer) -> dict[str, np.ndarray]:
+    """The MLP's logical weights after 20 steps on one device (cached)."""
+    if name not in _ONE:
+        _ONE[name] = logical_weights(fit(None, optimizer))
+    return _ONE[name]
+
+
+def clipping_mattered(one: dict, optimizer_without_clipping) -> None:
+    unclipped = logical_weights(fit(None, optimizer_without_clipping))
+    assert max(np.abs(one[k] - unclipped[k]).max() / np.abs(one[k]).max() for k in one) > 0.05
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clipnorm_on_split_variables_takes_the_logical_variables_norm(stage):
+    """Before: each shard clipped by its own norm (0.50 relative off one device at every stage)."""
+    one = one_device("clipnorm_sgd", CLIPNORM_SGD)
+    assert_close(one, logical_weights(fit(strategy_for((2, 2), zero_stage=stage), CLIPNORM_SGD)), 1e-5)
+    if stage == 0:
+        clipping_mattered(one, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_clipnorm_with_gradient_accumulation_clips_the_accumulated_mean_by_the_logical_norm(stage):
+    optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02,  # noqa: E731
+                                             gradient_accumulation_steps=2)
+    one = one_device("clipnorm_sgd_accumulated", optimizer)
+    assert_close(one, logical_weights(fit(strategy_for((2, 2), zero_stage=stage), optimizer)), 1e-5)
+
+
+def test_global_clipnorm_at_stage_3_takes_the_norm_over_every_group():
+    """Refused before (each group's Zero3Engine would have taken its own norm)."""
+    one = one_device("global_adam", GLOBAL_ADAM)
+    assert_close(one, logical_weights(fit(strategy_for((2, 2), zero_stage=3), GLOBAL_ADAM)), 1e-4)
+    clipping_mattered(one, lambda: keras.optimizers.Adam(0.01))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_global_clipnorm_with_gradient_accumulation_clips_the_accumulated_mean(stage):
+    """Refused before at stages 1/2 (the norm was taken per micro-step); Keras clips the accumulated mean on the
+    update step, and so does every group here (the norm over every group of the mean it is about to apply)."""
+    one = one_device("global_sgd_accumulated", GLOBAL_SGD_ACCUMULATED)
+    assert_close(one, logical_weights(fit(strategy_for((2, 2), zero_stage=stage), GLOBAL_SGD_ACCUMULATED)), 1e-5)
+    if stage == 1:
+        clipping_mattered(one, lambda: keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2))
