@@ -45,8 +45,9 @@ class GroupedZero3Engine(GroupedZeroEngine):
     def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], model,
                  host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
                  collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
-                 whole: Callable[[object], bool] = lambda layer: False, logical: Sequence[int] | None = None):
-        units = find_units(model, list(variables), None, whole)  # errors before anything changes
+                 whole: Callable[[object], bool] = lambda layer: False, logical: Sequence[int] | None = None,
+                 unit_bytes: int | None = None, reshard_after_forward: bool = True, prefetch: bool = False):
+        units = find_units(model, list(variables), unit_bytes, whole)  # errors before anything changes
         super().__init__(optimizer, variables, devices, 3, host_device, collectives, logical)
         comm_of, param_of = {}, {}
         for engine in self.engines:
@@ -54,7 +55,8 @@ class GroupedZero3Engine(GroupedZeroEngine):
             for v, p in zip(engine.variables, engine.params):
                 comm_of[id(v)], param_of[id(v)] = engine.comm, p
         self.units = [FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm_of[id(owned[0])],
-                               comms=[comm_of[id(v)] for v in owned]) for layer, owned in units]
+                               comms=[comm_of[id(v)] for v in owned], reshard_after_forward=reshard_after_forward,
+                               prefetch=prefetch) for layer, owned in units]
         fsdp_keras.reset_step_functions(model)
 
     def _group_engine(self, optimizer, variables: list, config: ZeroConfig, group: int) -> Zero3Engine:
