@@ -256,3 +256,19 @@ def test_fsdp_options_are_validated_naming_the_parameter(options, message):
     mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)])
     with pytest.raises(ConfigError, match=message):
         tfdist.ModelParallelStrategy(mlp_layout(mesh), batch_dim_name="batch", **options)
+
+
+def test_one_unit_over_column_row_pairs_keeps_the_megatron_pairing():
+    """Per layer, a unit boundary sits between a column and a row layer: the activation is gathered and scattered
+    again. With `fsdp_unit_bytes` over the whole MLP (one unit), the traced step (both rows) keeps it split: no
+    gather, no scatter; the 10 sums are stage 0's 6 plus the backward's recompute of the 4 forward sums."""
+    from test_tensor_parallel import traced_step_counts
+
+    counts = {}
+    for unit_bytes in (None, 2**20):
+        strategy = _zero3_strategy(fsdp_unit_bytes=unit_bytes)
+        with strategy.scope():
+            model = mlp()
+        counts[unit_bytes] = traced_step_counts(strategy, model)
+    assert counts[None] == {"tp_all_reduce": 10, "tp_all_gather": 4, "tp_scatter": 8}
+    assert counts[2**20] == {"tp_all_reduce": 10, "tp_all_gather": 0, "tp_scatter": 0}
