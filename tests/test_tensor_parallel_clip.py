@@ -90,3 +90,27 @@ def test_clipping_across_two_processes_equals_one_device_and_processes_stay_iden
         other = {k: np.asarray(v, "float32") for k, v in records[1][tag]["weights"].items()}
         ref = {k: np.asarray(v, "float32") for k, v in records[0][tag]["reference"].items()}
         assert_equals_one_device(tag.replace("sgd20", "sgd"), got, ref, other)
+
+
+def test_clipnorm_on_a_2x2x2_mesh_with_pipeline_stages_equals_one_device(python):
+    """Rank-3 mesh (batch, stage, model), 2 micro-batches: a split variable's shards sit in the groups of its
+    stage; clipnorm by the logical variables' norms at zero_stage 0, 2 and 3 (20 SGD steps)."""
+    out = python("""
+        import numpy as np, keras, tfdist
+        tfdist.devices.virtual_cpus(8)
+        import sys; sys.path.insert(0, "tests")
+        from test_tensor_parallel import mlp_layout
+        from test_tensor_parallel_zero import fit, logical_weights
+        mesh = tfdist.DeviceMesh((2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
+        sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02)
+        one = logical_weights(fit(None, sgd))
+        for stage in (0, 2, 3):
+            strategy = tfdist.ModelParallelStrategy(mlp_layout(mesh), zero_stage=stage, placement=["up2"],
+                                                    micro_batches=2)
+            got = logical_weights(fit(strategy, sgd))
+            print("RESULT", stage, max(float(np.abs(one[k] - got[k]).max() / max(np.abs(one[k]).max(), 1e-3))
+                                       for k in one))
+    """)
+    results = [line.split() for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert [r[1] for r in results] == ["0", "2", "3"]
+    assert all(float(r[2]) <= 1e-5 for r in results), results
