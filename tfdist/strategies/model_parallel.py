@@ -335,7 +335,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # Also when the model was split before (strategy.shard/shard_plan): its variables are shards already.
         shards = {id(shard) for _, plan in self._plans.values() for split in plan.layers
                   for parts in split.shards.values() for shard in parts}
-        attach_update(self, optimizer, variables, target, [plan for _, plan in self._plans.values()], self._fsdp)
+        attach_update(self, optimizer, variables, target, [plan for _, plan in self._plans.values()], self._fsdp,
+                      self._zero_collectives)
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           functools.partial(self._slot_reference, optimizer))

@@ -3,6 +3,7 @@ or stage 0's summed-gradient update, told which shards make one logical variable
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
@@ -37,10 +38,12 @@ class Stage3Options:
         return cls(None if fsdp_unit_bytes is None else int(fsdp_unit_bytes), reshard_after_forward, fsdp_prefetch)
 
 
-def attach_update(strategy, optimizer, variables: list, target, plans: list, options: Stage3Options) -> None:
+def attach_update(strategy, optimizer, variables: list, target, plans: list, options: Stage3Options,
+                  collectives: Callable[[], dict]) -> None:
     """Before Keras' build creates the slots: at zero_stage > 0 a `GroupedZeroEngine` / `GroupedZero3Engine` over
-    `variables` (the shards; `target`: the model, for stage 3's units); at stage 0 the `SummedGradientUpdate` when
-    the optimizer clips or averages. A LossScaleOptimizer's inner optimizer is the one sharded."""
+    `variables` (the shards; `target`: the model, for stage 3's units; `collectives()`: the engines' host device
+    and collectives); at stage 0 the `SummedGradientUpdate` when the optimizer clips or averages. A
+    LossScaleOptimizer's inner optimizer is the one sharded."""
     # clipnorm takes each logical variable's norm (over its shards); the keys say which shards belong together
     logical = logical_keys(plans, variables)
     norm = [f"{name}={value}" for name, value in (("clipnorm", optimizer.clipnorm),
@@ -59,14 +62,14 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
                 raise ConfigError("zero_stage=3 shards the parameters of a Keras model created inside the "
                                   "strategy's scope; the optimizer is being built for variables of no such model. "
                                   "Create the model (and compile it) inside `with strategy.scope():`.")
-            engine = GroupedZero3Engine(optimizer, variables, devices, target, **strategy._zero_collectives(),
+            engine = GroupedZero3Engine(optimizer, variables, devices, target, **collectives(),
                                         whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention),
                                         logical=logical, unit_bytes=options.unit_bytes,
                                         reshard_after_forward=options.reshard_after_forward,
                                         prefetch=options.prefetch)
         else:
             engine = GroupedZeroEngine(optimizer, variables, devices, strategy.zero_stage,
-                                       **strategy._zero_collectives(), logical=logical)
+                                       **collectives(), logical=logical)
         register_engine(optimizer, engine)
     # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
     if not strategy.zero_stage and SummedGradientUpdate.needed(optimizer):
