@@ -31,9 +31,9 @@ class SummedGradientUpdate:
     summed gradient and keep its EMA as one device with the global batch does.
 
     A step: Keras' own all-reduce and weight decay in replica context, then one merge_call that clips every local
-    replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, clipvalue per element,
-    global_clipnorm by the norm over all of them; each replica holds the whole sum, so its norm needs no
-    collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
+    replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, or with `logical` per logical
+    variable over its shards, clipvalue per element, global_clipnorm by the norm over all of them; each replica
+    holds the whole sum, so its norm needs no collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
     `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no merge_call
     inside a `tf.cond`). Every process computes the same norms from the same summed values, so processes stay
     bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
