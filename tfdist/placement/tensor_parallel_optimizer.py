@@ -31,8 +31,9 @@ def logical_keys(plans: list, variables: list) -> list[int]:
     it; any other variable has its own), numbered in order of first appearance: what clipnorm's norm is taken over.
 
     Example:
-        >>> logical_keys([strategy.shard(model)], model.trainable_variables)   # up/kernel split in 2, then its bias
-        [0, 0, 1, 1, ...]
+        >>> # tests/tp_models.mlp on a 2 x 2 mesh: up1/kernel_shard_0, up1/kernel_shard_1, up1/bias_shard_0, ...
+        >>> logical_keys([strategy.shard(model)], model.trainable_variables)
+        [0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6, 6, 7, 8, 9]
     """
     logical_of = {id(shard): id(split.logical[role]) for plan in plans for split in plan.layers
                   for role, shards in split.shards.items() for shard in shards}
