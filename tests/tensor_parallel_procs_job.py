@@ -62,7 +62,11 @@ RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1), 0), ("mlp", "adam", la
         ("mlp", "adam20", lambda: keras.optimizers.Adam(0.01), 0),
         ("mlp", "adam20-zero3", lambda: keras.optimizers.Adam(0.01), 3),
         ("transformer", "adam20", lambda: keras.optimizers.Adam(0.01), 0),
-        ("transformer", "adam20-zero3", lambda: keras.optimizers.Adam(0.01), 3)]
+        ("transformer", "adam20-zero3", lambda: keras.optimizers.Adam(0.01), 3),
+        # clipnorm on split variables (each logical variable's norm) and global_clipnorm at stage 3, 20 steps.
+        *[("mlp", f"sgd20-clipnorm{z}", lambda: keras.optimizers.SGD(0.1, momentum=0.5, clipnorm=0.02), stage)
+          for z, stage in (("", 0), ("-zero2", 2), ("-zero3", 3))],
+        ("mlp", "sgd20-clip-zero3", lambda: keras.optimizers.SGD(0.1, momentum=0.5, global_clipnorm=0.05), 3)]
 
 
 def logical(model, strategy_=None) -> dict:

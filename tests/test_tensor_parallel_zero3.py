@@ -43,8 +43,6 @@ def weights(model: str, shape: tuple | None, stage: int = 0, drop=()) -> dict[st
 
 # --- bad input -----------------------------------------------------------------------------------------------
 def test_unsupported_combinations_raise_config_errors_naming_zero_stage(monkeypatch):
-    with pytest.raises(ConfigError, match=r"global_clipnorm=1.0 at zero_stage=3 on ModelParallelStrategy"):
-        fit(strategy_for(zero_stage=3), lambda: keras.optimizers.Adam(0.01, global_clipnorm=1.0), epochs=1)
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
                                                 "task": {"type": "worker", "index": 0}}))
     # Across processes (tests/test_tensor_parallel_procs.py runs rows inside processes): rows that span processes
@@ -205,3 +203,72 @@ def _key(device: str) -> tuple:
     """"/cpu:1" and "/job:localhost/replica:0/task:0/device:CPU:1" name one local device."""
     spec = tf.DeviceSpec.from_string(device)
     return spec.device_type.upper(), spec.device_index
+
+
+# --- the FSDP options (tfdist.MirroredStrategy's names), per device group ------------------------------------------
+def _zero3_strategy(**options) -> tfdist.ModelParallelStrategy:
+    mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)])
+    return tfdist.ModelParallelStrategy(mlp_layout(mesh), batch_dim_name="batch", zero_stage=3, **options)
+
+
+@pytest.mark.parametrize("options, units, gathers, prefetched", [
+    ({}, ["up1", "down1", "up2", "down2", "head"], 10, 0),
+    ({"fsdp_unit_bytes": 2**20}, None, 2, 0),         # None: the whole model (8.4 kB) is one unit
+    ({"reshard_after_forward": False}, ["up1", "down1", "up2", "down2", "head"], 5, 0),   # no backward gathers
+    # per row, every unit's gather but the first of the forward and of the backward: 2 x (10 - 2)
+    ({"fsdp_prefetch": True}, ["up1", "down1", "up2", "down2", "head"], 10, 16)],
+    ids=["default", "unit_bytes", "keep_gathered", "prefetch"])
+def test_fsdp_options_equal_one_device_and_take_effect(monkeypatch, options, units, gathers, prefetched):
+    """Each option trains as one device (Adam, 20 steps), and does what it says in the traced step: the units (one
+    merged unit), the all-gather merge_calls of every unit (forward + backward, or forward only when the gathered
+    weights are kept), and how many gathers wait for the previous unit's inputs instead of their own (prefetch)."""
+    from tfdist.sharding.fsdp_unit import FsdpUnit
+
+    gathered, waits = [], []
+    merge_gather, issue_after = FsdpUnit._merge_gather, FsdpUnit._issue_after
+
+    def counted_gather(self, strategy, *local):  # the real all-gather, counted
+        gathered.append(self.name)
+        return merge_gather(self, strategy, *local)
+
+    def recorded_issue_after(self, phase, mine):
+        after = issue_after(self, phase, mine)
+        waits.append(len(after) != len(mine) or any(a is not b for a, b in zip(after, mine)))
+        return after
+
+    monkeypatch.setattr(FsdpUnit, "_merge_gather", counted_gather)
+    monkeypatch.setattr(FsdpUnit, "_issue_after", recorded_issue_after)
+    model = fit(_zero3_strategy(**options), ADAM)
+    assert_close(weights("mlp", None), logical_weights(model), 1e-4)
+    assert [u.name for u in tfdist.sharding.engine_of(model).units] == (units or [model.name])
+    assert len(gathered) == gathers, gathered  # fit traces its step once (64 samples, batch 16)
+    assert sum(waits) == prefetched, waits
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"zero_stage": 2, "fsdp_unit_bytes": 1024}, r"fsdp_unit_bytes=1024 .* needs zero_stage=3"),
+    ({"zero_stage": 3, "fsdp_unit_bytes": 0}, r"fsdp_unit_bytes must be a positive number of bytes"),
+    ({"zero_stage": 3, "reshard_after_forward": "no"}, r"reshard_after_forward must be True or False, got 'no'"),
+    ({"zero_stage": 3, "fsdp_prefetch": 1}, r"fsdp_prefetch must be True or False, got 1"),
+    ({"zero_stage": 1, "reshard_after_forward": False}, r"reshard_after_forward=False is a ZeRO stage 3 option"),
+    ({"zero_stage": 0, "fsdp_prefetch": True}, r"fsdp_prefetch=True is a ZeRO stage 3 option")])
+def test_fsdp_options_are_validated_naming_the_parameter(options, message):
+    mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)])
+    with pytest.raises(ConfigError, match=message):
+        tfdist.ModelParallelStrategy(mlp_layout(mesh), batch_dim_name="batch", **options)
+
+
+def test_one_unit_over_column_row_pairs_keeps_the_megatron_pairing():
+    """Per layer, a unit boundary sits between a column and a row layer: the activation is gathered and scattered
+    again. With `fsdp_unit_bytes` over the whole MLP (one unit), the traced step (both rows) keeps it split: no
+    gather, no scatter; the 10 sums are stage 0's 6 plus the backward's recompute of the 4 forward sums."""
+    from test_tensor_parallel import traced_step_counts
+
+    counts = {}
+    for unit_bytes in (None, 2**20):
+        strategy = _zero3_strategy(fsdp_unit_bytes=unit_bytes)
+        with strategy.scope():
+            model = mlp()
+        counts[unit_bytes] = traced_step_counts(strategy, model)
+    assert counts[None] == {"tp_all_reduce": 10, "tp_all_gather": 4, "tp_scatter": 8}
+    assert counts[2**20] == {"tp_all_reduce": 10, "tp_all_gather": 0, "tp_scatter": 0}

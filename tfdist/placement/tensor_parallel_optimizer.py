@@ -16,7 +16,7 @@ from tfdist._compat import tensor_parallel as tp_compat
 from tfdist.errors import ConfigError
 from tfdist.placement.tensor_parallel_span import gather_value
 
-__all__ = ["first_copy_device", "keep_logical_optimizer_saving"]
+__all__ = ["first_copy_device", "keep_logical_optimizer_saving", "logical_keys"]
 
 
 def first_copy_device(shard) -> str:
@@ -24,6 +24,21 @@ def first_copy_device(shard) -> str:
     # devices in two spellings counts two tasks and restores inside a tf.function, where Keras cannot.
     value = shard.value
     return getattr(value, "values", [value])[0].device
+
+
+def logical_keys(plans: list, variables: list) -> list[int]:
+    """For each variable, the index of the logical variable it is part of (the shards of one split variable share
+    it; any other variable has its own), numbered in order of first appearance: what clipnorm's norm is taken over.
+
+    Example:
+        >>> # tests/tp_models.mlp on a 2 x 2 mesh: up1/kernel_shard_0, up1/kernel_shard_1, up1/bias_shard_0, ...
+        >>> logical_keys([strategy.shard(model)], model.trainable_variables)
+        [0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6, 6, 7, 8, 9]
+    """
+    logical_of = {id(shard): id(split.logical[role]) for plan in plans for split in plan.layers
+                  for role, shards in split.shards.items() for shard in shards}
+    dense: dict[int, int] = {}
+    return [dense.setdefault(logical_of.get(id(v), id(v)), len(dense)) for v in variables]
 
 
 def keep_logical_optimizer_saving(optimizer, plans: Callable[[], list], slot_reference: Callable) -> None:

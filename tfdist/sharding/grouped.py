@@ -11,6 +11,7 @@ import tensorflow as tf
 from tfdist._compat import keras_optimizer
 from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
 from tfdist.errors import ConfigError
+from tfdist.sharding.clipping import logical_clip_factors
 from tfdist.sharding.config import ZeroConfig
 from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
 from tfdist.sharding.zero import ZeroEngine, tf_variable
@@ -34,8 +35,10 @@ class GroupedZeroEngine:
     optimizer's own `update_step` and all-gathers the updated variables to every replica. The user's optimizer
     keeps one `LogicalSlot` per (variable, slot) in Keras' order, so checkpoints hold the full logical state.
 
-    Clipping is on the summed gradient, as in `ZeroEngine`: `clipnorm` per variable, `clipvalue` per element,
-    `global_clipnorm` by the norm over every group's pieces (one small all-reduce per group).
+    Clipping is on the summed gradient, as in `ZeroEngine`: `clipvalue` per element, `clipnorm` by the norm of
+    each logical variable (`logical[i]`: which logical variable variable i is a shard of; the shards of a split
+    variable sit in several groups), `global_clipnorm` by the norm over every group's pieces (one small
+    all-reduce per group); with `gradient_accumulation_steps`, on the accumulated mean at the update step.
 
     `devices` lists this process's copies; `collectives(group devices)` gives each group its `ShardCollectives`
     (default `LocalCollectives`: every replica in this process; across processes, collectives whose shards are
@@ -49,12 +52,8 @@ class GroupedZeroEngine:
 
     def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], stage: int,
                  host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
-                 collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives):
-        if optimizer.global_clipnorm and optimizer.gradient_accumulation_steps:
-            raise ConfigError(f"global_clipnorm={optimizer.global_clipnorm} with gradient_accumulation_steps="
-                              f"{optimizer.gradient_accumulation_steps} at zero_stage={stage} here is not supported "
-                              "yet (the norm would be taken per micro-step, not on the accumulated gradient). Drop "
-                              "one of them, or use zero_stage=0.")
+                 collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
+                 logical: Sequence[int] | None = None):
         if len(devices) != len(variables):
             raise ValueError(f"{len(variables)} variables but {len(devices)} device lists")
         self._optimizer = weakref.ref(optimizer)
@@ -72,8 +71,11 @@ class GroupedZeroEngine:
             self._group_engine(optimizer, [variables[i] for i in indices],
                                ZeroConfig(stage, False, collectives(list(listed)), host_device), g)
             for g, (listed, indices) in enumerate(groups.items())]
-        for engine in self.engines:
-            engine.clips_global_norm = False  # global_clipnorm: by the norm over every group (`_clip_global`)
+        # clipnorm and global_clipnorm: by the norms of the logical variables over every group (`_set_clip_factors`)
+        logical = list(range(len(variables))) if logical is None else list(logical)
+        if len(logical) != len(variables):
+            raise ValueError(f"{len(variables)} variables but {len(logical)} logical indices")
+        self.members = [[logical[i] for i in indices] for indices in self.group_indices]
         self._references: dict[int, tuple] = {}  # id(LogicalSlot) -> (slot, reference variable)
         self._attach(optimizer)
 
@@ -164,33 +166,45 @@ class GroupedZeroEngine:
     def _step(self, strategy, grads, learning_rate) -> None:
         reduced = [engine.reduce_gradients(strategy, [grads[i] for i in indices], learning_rate)
                    for engine, indices in zip(self.engines, self.group_indices)]
-        if self.optimizer.global_clipnorm:
-            self._clip_global([shards for shards, _, _ in reduced])
+        if self._clips_by_norm():
+            self._set_clip_factors([_flat_squares(engine, shards) for engine, (shards, _, _) in
+                                    zip(self.engines, reduced)])
         for engine, (shards, params, lrs) in zip(self.engines, reduced):
             engine.apply_shards(shards, params, lrs)
 
-    def _clip_global(self, shards: list[list]) -> None:
-        """Scales every group's reduced gradient pieces (`shards[g][i]`: group g, local replica i), in place, by
-        global_clipnorm / max(norm, global_clipnorm), the norm over all of them (Keras' `clip_by_global_norm`)."""
-        clip = self.optimizer.global_clipnorm
-        totals = None  # per local replica: the sum of squares over every group and every replica
-        for engine, pieces in zip(self.engines, shards):
-            squares = []
-            for piece, device in zip(pieces, engine.comm.devices):
-                with tf.device(device):
-                    squares.append(tf.reduce_sum(tf.square(piece)))
-            summed = engine.comm.all_reduce_sum(squares)
-            totals = summed if totals is None else [a + b for a, b in zip(totals, summed)]
-        for engine, pieces in zip(self.engines, shards):
-            for i, device in enumerate(engine.comm.devices):
-                with tf.device(device):
-                    norm = tf.sqrt(totals[i])
-                    pieces[i] = pieces[i] * tf.cast(clip / tf.maximum(norm, clip), pieces[i].dtype)
+    def _clips_by_norm(self) -> bool:
+        return bool(self.optimizer.clipnorm or self.optimizer.global_clipnorm)
+
+    def _set_clip_factors(self, squares: list) -> None:
+        """Gives every group's engine its clip factors (`clip_factors`), from `squares[g][i]` (group g's per-variable
+        sums of squares of the gradient its update will use, over every replica, at local replica i): clipnorm by
+        each logical variable's norm (the shards of a split variable sit in several groups), global_clipnorm by the
+        norm over every group (Keras' `clip_by_norm` / `clip_by_global_norm` on the unsplit model)."""
+        factors = logical_clip_factors(self.optimizer, squares, self.members,
+                                       [engine.comm.devices for engine in self.engines])
+        for engine, found in zip(self.engines, factors):
+            engine.clip_factors = found
 
     def overwrite_with_average(self) -> None:
         """Writes every group's moving averages into the model (Keras' EMA overwrite)."""
         for engine in self.engines:
             engine.overwrite_with_average()
+
+
+def _flat_squares(engine: ZeroEngine, shards: list) -> list:
+    """Per local replica, the vector of per-variable sums of squares of the gradient the engine's update will
+    clip (with accumulation: the accumulated mean, as Keras clips it on the update step; read before the engine's
+    step adds to the accumulators), summed over every replica (one small all-reduce)."""
+    steps = engine.optimizer.gradient_accumulation_steps
+    accumulators = engine.state.shards("gradient_accumulator") if steps else None
+    count = len(engine.layout.sizes)
+    squares = []
+    for i, (shard, sid, device) in enumerate(zip(shards, engine.comm.shard_ids, engine.comm.devices)):
+        with tf.device(device):
+            total = (tf.identity(shard) + accumulators[i]) / tf.cast(steps, engine.dtype) if steps else shard
+            ids = tf.constant(engine.layout.segment_ids(sid))
+            squares.append(tf.math.unsorted_segment_sum(tf.square(total), ids, count + 1)[:count])
+    return engine.comm.all_reduce_sum(squares)
 
 
 class GroupedState:

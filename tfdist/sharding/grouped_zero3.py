@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import tensorflow as tf
 
 from tfdist._compat import fsdp_keras
 from tfdist.comm.shard_collectives import LocalCollectives, ShardCollectives
@@ -44,20 +45,18 @@ class GroupedZero3Engine(GroupedZeroEngine):
     def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], model,
                  host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
                  collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
-                 whole: Callable[[object], bool] = lambda layer: False):
-        if optimizer.global_clipnorm:
-            raise ConfigError(f"global_clipnorm={optimizer.global_clipnorm} at zero_stage=3 on ModelParallelStrategy "
-                              "is not supported yet (the norm would be taken per device group). Use clipnorm (per "
-                              "variable) or clipvalue, or zero_stage=2, which clips by the norm over every group.")
-        units = find_units(model, list(variables), None, whole)  # errors before anything changes
-        super().__init__(optimizer, variables, devices, 3, host_device, collectives)
+                 whole: Callable[[object], bool] = lambda layer: False, logical: Sequence[int] | None = None,
+                 unit_bytes: int | None = None, reshard_after_forward: bool = True, prefetch: bool = False):
+        units = find_units(model, list(variables), unit_bytes, whole)  # errors before anything changes
+        super().__init__(optimizer, variables, devices, 3, host_device, collectives, logical)
         comm_of, param_of = {}, {}
         for engine in self.engines:
             shard_parameters(engine, engine.variables, engine.config)
             for v, p in zip(engine.variables, engine.params):
                 comm_of[id(v)], param_of[id(v)] = engine.comm, p
         self.units = [FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm_of[id(owned[0])],
-                               comms=[comm_of[id(v)] for v in owned]) for layer, owned in units]
+                               comms=[comm_of[id(v)] for v in owned], reshard_after_forward=reshard_after_forward,
+                               prefetch=prefetch) for layer, owned in units]
         fsdp_keras.reset_step_functions(model)
 
     def _group_engine(self, optimizer, variables: list, config: ZeroConfig, group: int) -> Zero3Engine:
@@ -86,6 +85,29 @@ class GroupedZero3Engine(GroupedZeroEngine):
         ctx.merge_call(self._step, args=(grads, opt.learning_rate))
 
     def _step(self, strategy, grads, learning_rate) -> None:
-        # Each group's Zero3Engine: clipping (per variable / value), decay, update_step, EMA on its own pieces.
+        # clipnorm / global_clipnorm: factors from the norms over every group first (a split variable's shards sit in
+        # several groups); then each group's Zero3Engine: clipping, decay, update_step, EMA on its own pieces.
+        if self._clips_by_norm():
+            local = strategy.experimental_local_results
+            self._set_clip_factors([_piece_squares(engine, [local(grads[i]) for i in indices])
+                                    for engine, indices in zip(self.engines, self.group_indices)])
         for engine, indices in zip(self.engines, self.group_indices):
             engine.step_pieces(strategy, [grads[i] for i in indices], learning_rate)
+
+
+def _piece_squares(engine: Zero3Engine, grads: list) -> list:
+    """Per local replica, the vector of per-variable sums of squares of the gradient pieces the engine's update
+    will clip (`grads[j][i]`; with accumulation the accumulated mean, as Keras clips it), over every replica."""
+    steps = engine.optimizer.gradient_accumulation_steps
+    squares = []
+    for i, device in enumerate(engine.comm.devices):
+        accumulators = engine.state.piece_variables("gradient_accumulator", i) if steps else None
+        with tf.device(device):
+            row = []
+            for j, g in enumerate(grads):
+                total = tf.cast(g[i], engine.dtype)
+                if steps:
+                    total = (tf.identity(total) + accumulators[j]) / tf.cast(steps, engine.dtype)
+                row.append(tf.reduce_sum(tf.square(total)))
+            squares.append(tf.stack(row))
+    return engine.comm.all_reduce_sum(squares)

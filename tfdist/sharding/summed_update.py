@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfdist._compat import keras_optimizer
 from tfdist._compat.distribute import regroup_per_replica
 from tfdist.comm.shard_collectives import LocalCollectives
-from tfdist.sharding.clipping import clip_pieces
+from tfdist.sharding.clipping import clip_pieces, logical_clip_factors
 from tfdist.sharding.zero import overwrite_every, tf_variable
 
 __all__ = ["SummedGradientUpdate"]
@@ -31,9 +31,9 @@ class SummedGradientUpdate:
     summed gradient and keep its EMA as one device with the global batch does.
 
     A step: Keras' own all-reduce and weight decay in replica context, then one merge_call that clips every local
-    replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, clipvalue per element,
-    global_clipnorm by the norm over all of them; each replica holds the whole sum, so its norm needs no
-    collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
+    replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, or with `logical` per logical
+    variable over its shards, clipvalue per element, global_clipnorm by the norm over all of them; each replica
+    holds the whole sum, so its norm needs no collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
     `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no merge_call
     inside a `tf.cond`). Every process computes the same norms from the same summed values, so processes stay
     bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
@@ -45,7 +45,10 @@ class SummedGradientUpdate:
         >>> SummedGradientUpdate.attach(optimizer)      # done by ModelParallelStrategy when the optimizer is built
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, logical: dict[int, int] | None = None):
+        # logical: id(variable) -> its logical variable's index (a split variable's shards share one): clipnorm
+        # clips each logical variable by its own norm, the sum of its shards' squares.
+        self.logical = dict(logical or {})
         self._optimizer = weakref.ref(optimizer)  # the optimizer holds this object (its bound method), not the reverse
         keras_optimizer.override_apply_gradients(
             optimizer, lambda opt, grads, variables: self.apply(list(grads), list(variables)))
@@ -58,11 +61,12 @@ class SummedGradientUpdate:
         return bool(asks) and not optimizer.gradient_accumulation_steps
 
     @classmethod
-    def attach(cls, optimizer) -> SummedGradientUpdate:
-        """Attaches (once) to `optimizer`; returns the attached object."""
+    def attach(cls, optimizer, logical: dict[int, int] | None = None) -> SummedGradientUpdate:
+        """Attaches (once) to `optimizer`; returns the attached object. `logical`: id(variable) -> the index of the
+        logical variable it is a shard of (clipnorm then takes the logical variable's norm)."""
         attached = _ATTACHED.get(optimizer)
         if attached is None:
-            attached = _ATTACHED[optimizer] = cls(optimizer)
+            attached = _ATTACHED[optimizer] = cls(optimizer, logical)
         return attached
 
     @property
@@ -79,22 +83,29 @@ class SummedGradientUpdate:
         tf_variables = [tf_variable(v) for v in variables]
         grads = keras_optimizer.keras_all_reduce_sum(opt, grads, tf_variables)
         keras_optimizer.apply_weight_decay(opt, variables)  # where Keras decays: before the update
-        ctx.merge_call(functools.partial(self._step, tf_variables), args=(grads, opt.learning_rate))
+        keys = [self.logical.get(id(v), -1 - j) for j, v in enumerate(variables)]  # unknown: a variable of its own
+        dense: dict[int, int] = {}
+        keys = [dense.setdefault(k, len(dense)) for k in keys]
+        ctx.merge_call(functools.partial(self._step, tf_variables, keys), args=(grads, opt.learning_rate))
 
-    def _step(self, tf_variables: list, strategy, grads, learning_rate) -> None:
+    def _step(self, tf_variables: list, keys: list[int], strategy, grads, learning_rate) -> None:
         opt = self.optimizer
         if opt.clipnorm or opt.clipvalue or opt.global_clipnorm:
-            grads = self._clip(strategy, list(grads))
+            grads = self._clip(strategy, list(grads), keys)
         keras_optimizer.update_variables(opt, strategy, list(zip(grads, tf_variables)), learning_rate)
         if opt.use_ema:
             self._ema(strategy)
 
-    def _clip(self, strategy, grads: list) -> list:
-        """Each local replica's copy of the summed gradients clipped as one device clips the global gradient."""
+    def _clip(self, strategy, grads: list, keys: list[int]) -> list:
+        """Each local replica's copy of the summed gradients clipped as one device clips the global gradient
+        (clipnorm: by the norm of each logical variable, `keys[j]` saying which one variable j is part of)."""
         local = [strategy.experimental_local_results(g) for g in grads]  # [variable][local replica]
         devices = [g.device for g in local[0]]  # one device of each replica (its first variable's)
         clipped = []  # [local replica][variable]
         for i, device in enumerate(devices):
+            if self.optimizer.clipnorm and len(set(keys)) < len(keys):  # some variable is split into shards
+                clipped.append(_clip_logical(self.optimizer, [g[i] for g in local], keys, device))
+                continue
             with tf.device(device):  # the replica's norm next to its gradients
                 (row,) = clip_pieces(self.optimizer, LocalCollectives([device]), [[g[i] for g in local]])
             clipped.append(row)
@@ -117,3 +128,20 @@ class SummedGradientUpdate:
                 strategy.extended.update(tf_variable(average), average_fn, args=(tf_variable(variable),),
                                          group=False)
         overwrite_every(opt, iterations, lambda: keras_optimizer.overwrite_with_average(opt))
+
+
+def _clip_logical(optimizer, row: list, keys: list[int], device: str) -> list:
+    """clipnorm on one replica's summed gradients (`row[j]`, each on its variable's device) by the norm of each
+    logical variable: the shards' sums of squares, each taken on its shard's device, added on `device`."""
+    squares = []
+    for g in row:
+        with tf.device(g.device or device):
+            squares.append(tf.reduce_sum(tf.square(g)))
+    with tf.device(device):
+        stacked = tf.stack(squares)
+    ((factors,),) = logical_clip_factors(optimizer, [[stacked]], [keys], [[device]])
+    out = []
+    for j, g in enumerate(row):
+        with tf.device(g.device or device):
+            out.append(g * tf.cast(factors[j], g.dtype))
+    return out

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
-from tfdist.sharding.clipping import clip_flat_shards
+from tfdist.sharding.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.sharding.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.sharding.layout import FlatLayout
 from tfdist.sharding.logical_slot import LogicalSlot, load_own_variables_strict
@@ -63,7 +63,7 @@ class ZeroEngine:
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
-        self.clips_global_norm = True  # False: a GroupedZeroEngine clips by the norm over all its engines
+        self.clip_factors: list | None = None  # set by a GroupedZeroEngine: norms over all its groups
         if attach:  # False: an engine for some of the optimizer's variables, driven by a GroupedZeroEngine
             self._attach(optimizer)
 
@@ -365,7 +365,9 @@ class ZeroEngine:
 
     def _clip(self, shards: list) -> list:
         """Clipping on the summed gradient (tfdist.sharding.clipping), whatever the stage."""
-        return clip_flat_shards(self.optimizer, self.comm, self.layout, shards, global_norm=self.clips_global_norm)
+        if self.clip_factors is not None:
+            return scale_flat_shards(self.layout, self.comm.shard_ids, self.comm.devices, shards, self.clip_factors)
+        return clip_flat_shards(self.optimizer, self.comm, self.layout, shards)
 
 
 def tf_variable(variable):

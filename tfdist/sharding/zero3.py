@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import fsdp_keras, keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
-from tfdist.sharding.clipping import clip_pieces
+from tfdist.sharding.clipping import clip_pieces, scale_pieces
 from tfdist.sharding.config import ZeroConfig
 from tfdist.sharding.fsdp_param import FsdpParam
 from tfdist.sharding.fsdp_unit import FsdpUnit
@@ -172,7 +172,10 @@ class Zero3Engine(ZeroEngine):
 
     def _update(self, grads: list, params: list, lrs: list) -> None:
         """Clip (global gradient), decay, then the optimizer's own update_step on every piece."""
-        grads = clip_pieces(self.optimizer, self.comm, grads)
+        if self.clip_factors is not None:  # a GroupedZero3Engine's norms over all its groups
+            grads = scale_pieces(self.comm.devices, grads, self.clip_factors)
+        else:
+            grads = clip_pieces(self.optimizer, self.comm, grads)
         self._decay(params, lrs)  # here, on the pieces (Keras decays the Keras variable, which has no value)
         counter = keras_optimizer.iteration_counter(self.inner)
         counter.assign(tf.cast(keras_optimizer.iteration_counter(self.optimizer), counter.dtype))

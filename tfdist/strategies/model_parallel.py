@@ -19,12 +19,12 @@ from tfdist.placement.tensor_parallel_span import RowDevices
 from tfdist.placement.tensor_parallel_shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.placement.split_memory import SplitMemoryReport, split_memory_report
 from tfdist.placement.tensor_parallel_stages import StagedShardPlan, StageOptions, shard_stages
-from tfdist.sharding import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
+from tfdist.sharding import GroupedZeroEngine, engine_of
 from tfdist.sharding.config import check_stage
-from tfdist.sharding.summed_update import SummedGradientUpdate
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel_horovod import choose_backend, horovod_row_span, horovod_rows, start_horovod
+from tfdist.strategies.model_parallel_zero import Stage3Options, attach_update
 from tfdist.strategies.model_parallel_procs import (
     check_process_options,
     process_rows,
@@ -80,8 +80,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             too, each variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per
             layer for its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP).
             Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`);
-            checkpoints still hold the full logical state. Every stage clips the summed gradient (`clipnorm`, `clipvalue`,
-            `global_clipnorm`) and runs Keras' `use_ema` as one device does.
+            checkpoints still hold the full logical state. Every stage clips the summed gradient (`clipnorm` by each
+            logical variable's norm, `clipvalue`, `global_clipnorm`) and runs Keras' `use_ema` as one device does.
+        fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in `tfdist.MirroredStrategy`
+            (a layer whose weights total at most `fsdp_unit_bytes` is gathered as one unit with its sublayers; keep
+            gathered parameters until the backward; prefetch the next unit's gather), per device group.
         backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod" (see below).
 
     Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
@@ -143,8 +146,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
                  placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
-                 timeout_s: float = 60.0, zero_stage: int = 0, backend: str = "auto"):
+                 timeout_s: float = 60.0, zero_stage: int = 0, fsdp_unit_bytes: int | None = None,
+                 reshard_after_forward: bool = True, fsdp_prefetch: bool = False, backend: str = "auto"):
         self.zero_stage = check_stage(zero_stage, (0, 1, 2, 3))
+        self._fsdp = Stage3Options.check(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
         if not isinstance(batch_dim_name, str):
@@ -339,23 +344,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         # Also when the model was split before (strategy.shard/shard_plan): its variables are shards already.
         shards = {id(shard) for _, plan in self._plans.values() for split in plan.layers
                   for parts in split.shards.values() for shard in parts}
-        # Before Keras' build creates the slots; a LossScaleOptimizer's inner optimizer is the one sharded.
-        if self.zero_stage and engine_of(optimizer) is None and not isinstance(
-                optimizer, keras.optimizers.LossScaleOptimizer):
-            devices = [[c.device for c in self.experimental_local_results(tf_variable(v))] for v in variables]
-            if self.zero_stage == 3:  # parameters too: pieces gathered per layer (an attention as one unit)
-                if target is None:
-                    raise ConfigError("zero_stage=3 shards the parameters of a Keras model created inside the "
-                                      "strategy's scope; the optimizer is being built for variables of no such model. "
-                                      "Create the model (and compile it) inside `with strategy.scope():`.")
-                engine = GroupedZero3Engine(optimizer, variables, devices, target, **self._zero_collectives(),
-                                            whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention))
-            else:
-                engine = GroupedZeroEngine(optimizer, variables, devices, self.zero_stage, **self._zero_collectives())
-            register_engine(optimizer, engine)
-        # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
-        if not self.zero_stage and SummedGradientUpdate.needed(optimizer):
-            SummedGradientUpdate.attach(optimizer)
+        attach_update(self, optimizer, variables, target, [plan for _, plan in self._plans.values()], self._fsdp,
+                      self._zero_collectives)
         if optimizer not in self._logical_saving and any(id(v) in shards for v in variables):
             keep_logical_optimizer_saving(optimizer, lambda: [plan for _, plan in self._plans.values()],
                                           functools.partial(self._slot_reference, optimizer))
