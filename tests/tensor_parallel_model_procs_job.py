@@ -36,7 +36,13 @@ DATA = {
 }
 BUILD = {"mlp": mlp, "transformer": transformer_block}
 RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
-        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01))]
+        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01)),
+        # Clipping by the logical variables' norms (every step clips: 0.02 / 0.05 are below the gradients' norms)
+        # and Keras' EMA, on the summed gradient (SummedGradientUpdate; a row's all-reduce of the squares).
+        ("mlp", "sgd-clipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02)),
+        ("mlp", "sgd-globalclipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)),
+        ("mlp", "sgd-ema", lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=5))]
+UNCLIPPED = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
 
 
 def logical(model, strategy_=None) -> dict:
@@ -108,6 +114,8 @@ for name, opt_name, optimizer in RUNS:
     if tag == "mlp-adam":
         # Every process calls it (a collective gather of the shards); the chief writes.
         entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+    if "clip" in opt_name:  # one device without clipping: the clipping changed the result
+        entry["unclipped"] = logical(fit(name, UNCLIPPED, None)[0])
     if opt_name == "sgd" or name == "transformer":
         entry["counts"] = traced_counts(strategy, split, name)
     record[tag] = entry

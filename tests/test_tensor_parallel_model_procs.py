@@ -78,6 +78,23 @@ def test_fit_with_the_model_axis_across_processes_equals_one_device(job):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tag", ["mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm", "mlp-sgd-ema"])
+def test_clipping_and_ema_across_the_row_equal_one_device(job, tag):
+    """clipnorm (0.02) and global_clipnorm (0.05) clip all 12 steps (below every step's norms on one device):
+    the squares of each process's shards are summed over the row's processes, replicated variables counted
+    once. Before, 1 x 2 clipped each process's shards by their own norms and 1 x 4 refused both."""
+    _, records, _ = job
+    got, ref = arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"])
+    other = arrays(records[1][tag]["weights"])
+    assert_equals_one_device(tag, got, ref, other)
+    np.testing.assert_allclose(records[0][tag]["loss"], records[0][tag]["ref_loss"], rtol=1e-5)
+    assert records[0][tag]["loss"] == records[1][tag]["loss"], tag
+    if "unclipped" in records[0][tag]:  # the clipping changed the result (the check above is not of a no-op)
+        unclipped = arrays(records[0][tag]["unclipped"])
+        assert max(np.abs(ref[k] - unclipped[k]).max() / np.abs(ref[k]).max() for k in ref) > 0.05
+
+
+@pytest.mark.slow
 def test_replicated_variables_and_their_optimizer_state_are_bit_identical_on_every_process(job):
     _, records, _ = job
     for tag in TAGS:

@@ -10,8 +10,10 @@ order, with Keras' own reduction and update: weights stay stage 0's where no cli
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -21,9 +23,21 @@ from tfdist.comm.shard_collectives import LocalCollectives
 from tfdist.sharding.clipping import clip_pieces, logical_clip_factors
 from tfdist.sharding.zero import overwrite_every, tf_variable
 
-__all__ = ["SummedGradientUpdate"]
+__all__ = ["RowNorms", "SummedGradientUpdate"]
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its SummedGradientUpdate
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNorms:
+    """A mesh row that spans processes, for clipping norms: `all_reduce(t)` sums `t` over the row's processes (the
+    split layers' own row collective, on `device`, this process's first device of the row), `shards` the ids of
+    the variables that are this process's shards of split variables (every other variable is replicated: the
+    same on every process of the row, counted once)."""
+
+    all_reduce: Callable[[tf.Tensor], tf.Tensor]
+    shards: frozenset
+    device: str
 
 
 class SummedGradientUpdate:
@@ -33,10 +47,12 @@ class SummedGradientUpdate:
     A step: Keras' own all-reduce and weight decay in replica context, then one merge_call that clips every local
     replica's copy of the summed gradient (`clip_pieces`: clipnorm per variable, or with `logical` per logical
     variable over its shards, clipvalue per element, global_clipnorm by the norm over all of them; each replica
-    holds the whole sum, so its norm needs no collective), runs Keras' own update of every variable, and with `use_ema` updates the averages and, every
-    `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no merge_call
-    inside a `tf.cond`). Every process computes the same norms from the same summed values, so processes stay
-    bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
+    holds the whole sum, so its norm needs no collective; with `row`, a mesh row spanning processes, each process
+    holds only its shards: their squares are summed over the row's processes by one small all-reduce, replicated
+    variables counted once), runs Keras' own update of every variable, and with `use_ema` updates the averages
+    and, every `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no
+    merge_call inside a `tf.cond`). Every process computes the same norms from the same summed values (across a
+    row: the same all-reduced bits plus the same replicated squares), so processes stay bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
 
     Example:
         >>> optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0, use_ema=True, ema_overwrite_frequency=10)
@@ -45,10 +61,11 @@ class SummedGradientUpdate:
         >>> SummedGradientUpdate.attach(optimizer)      # done by ModelParallelStrategy when the optimizer is built
     """
 
-    def __init__(self, optimizer, logical: dict[int, int] | None = None):
+    def __init__(self, optimizer, logical: dict[int, int] | None = None, row: RowNorms | None = None):
         # logical: id(variable) -> its logical variable's index (a split variable's shards share one): clipnorm
         # clips each logical variable by its own norm, the sum of its shards' squares.
         self.logical = dict(logical or {})
+        self.row = row  # a row across processes: this process holds only its shards (`RowNorms`)
         self._optimizer = weakref.ref(optimizer)  # the optimizer holds this object (its bound method), not the reverse
         keras_optimizer.override_apply_gradients(
             optimizer, lambda opt, grads, variables: self.apply(list(grads), list(variables)))
@@ -61,12 +78,14 @@ class SummedGradientUpdate:
         return bool(asks) and not optimizer.gradient_accumulation_steps
 
     @classmethod
-    def attach(cls, optimizer, logical: dict[int, int] | None = None) -> SummedGradientUpdate:
+    def attach(cls, optimizer, logical: dict[int, int] | None = None,
+               row: RowNorms | None = None) -> SummedGradientUpdate:
         """Attaches (once) to `optimizer`; returns the attached object. `logical`: id(variable) -> the index of the
-        logical variable it is a shard of (clipnorm then takes the logical variable's norm)."""
+        logical variable it is a shard of (clipnorm then takes the logical variable's norm); `row`: for a mesh row
+        that spans processes, its sum and which variables are this process's shards."""
         attached = _ATTACHED.get(optimizer)
         if attached is None:
-            attached = _ATTACHED[optimizer] = cls(optimizer, logical)
+            attached = _ATTACHED[optimizer] = cls(optimizer, logical, row)
         return attached
 
     @property
@@ -86,11 +105,14 @@ class SummedGradientUpdate:
         keys = [self.logical.get(id(v), -1 - j) for j, v in enumerate(variables)]  # unknown: a variable of its own
         dense: dict[int, int] = {}
         keys = [dense.setdefault(k, len(dense)) for k in keys]
-        ctx.merge_call(functools.partial(self._step, tf_variables, keys), args=(grads, opt.learning_rate))
+        split = [self.row is not None and id(v) in self.row.shards for v in variables]
+        ctx.merge_call(functools.partial(self._step, tf_variables, keys, split), args=(grads, opt.learning_rate))
 
-    def _step(self, tf_variables: list, keys: list[int], strategy, grads, learning_rate) -> None:
+    def _step(self, tf_variables: list, keys: list[int], split: list[bool], strategy, grads, learning_rate) -> None:
         opt = self.optimizer
-        if opt.clipnorm or opt.clipvalue or opt.global_clipnorm:
+        if self.row is not None and (opt.clipnorm or opt.global_clipnorm):
+            grads = self._clip_row(strategy, list(grads), keys, split)
+        elif opt.clipnorm or opt.clipvalue or opt.global_clipnorm:
             grads = self._clip(strategy, list(grads), keys)
         keras_optimizer.update_variables(opt, strategy, list(zip(grads, tf_variables)), learning_rate)
         if opt.use_ema:
@@ -112,6 +134,37 @@ class SummedGradientUpdate:
         if len(devices) == 1:  # one local replica (or no strategy): plain values, as the update takes them
             return clipped[0]
         return [regroup_per_replica([clipped[i][j] for i in range(len(devices))]) for j in range(len(grads))]
+
+    def _clip_row(self, strategy, grads: list, keys: list[int], split: list[bool]) -> list:
+        """clipnorm / global_clipnorm in a row that spans processes (one local replica): the squares of this
+        process's shards (`split[j]`) summed per logical variable, one all-reduce of that vector among the row's
+        processes, then the replicated variables' squares (the same on every process: counted once) added.
+        Every process gets the same bits from the all-reduce and adds the same values: the same factors."""
+        (local,) = zip(*[strategy.experimental_local_results(g) for g in grads])  # one replica: [variable]
+        squares = []
+        for g in local:
+            with tf.device(g.device or self.row.device):
+                squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+        count = max(keys) + 1
+        with tf.device(self.row.device):
+            totals = tf.zeros([count], tf.float32)
+            for own in (True, False):
+                picked = [j for j in range(len(keys)) if split[j] == own]
+                if not picked:
+                    continue
+                part = tf.math.unsorted_segment_sum(tf.stack([squares[j] for j in picked]),
+                                                    tf.constant([keys[j] for j in picked], tf.int32), count)
+                totals = totals + (self.row.all_reduce(part) if own else part)
+            limit = self.optimizer.global_clipnorm or self.optimizer.clipnorm
+            if self.optimizer.global_clipnorm:
+                factors = tf.fill([count], limit / tf.maximum(tf.sqrt(tf.reduce_sum(totals)), limit))
+            else:
+                factors = limit / tf.maximum(tf.sqrt(totals), limit)
+        out = []
+        for j, g in enumerate(local):
+            with tf.device(g.device or self.row.device):
+                out.append(g * tf.cast(factors[keys[j]], g.dtype))
+        return out
 
     def _ema(self, strategy) -> None:
         """Keras' EMA on every copy of every variable (its formula, `_update_model_variables_moving_average`),

@@ -98,7 +98,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     The model axis across processes: a mesh whose rows span processes (`DeviceMesh((1, P * M), ...)` over
     `tfdist.cluster.list_devices()`, or B rows of P / B processes each) runs SPMD like Megatron-LM: each process
     creates and computes only its own shards, the processes of a row read the same data, the split layers'
-    sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only.
+    sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only; `clipnorm` and
+    `global_clipnorm` sum the shards' squared norms over the row's processes (without gradient accumulation).
 
     With Horovod (`backend`: "auto" (Horovod under horovodrun / mpirun / `tfdist launch --backend horovod`, TF
     collectives with TF_CONFIG), "tf" or "horovod"): the same meshes, stage 0; gradients go through grouped

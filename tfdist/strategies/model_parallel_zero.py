@@ -12,7 +12,7 @@ from tfdist.errors import ConfigError
 from tfdist.placement.tensor_parallel_optimizer import logical_keys
 from tfdist.sharding import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
 from tfdist.sharding.config import check_stage3_options
-from tfdist.sharding.summed_update import SummedGradientUpdate
+from tfdist.sharding.summed_update import RowNorms, SummedGradientUpdate
 from tfdist.sharding.zero import tf_variable
 
 __all__ = ["Stage3Options", "attach_update"]
@@ -43,17 +43,29 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
     """Before Keras' build creates the slots: at zero_stage > 0 a `GroupedZeroEngine` / `GroupedZero3Engine` over
     `variables` (the shards; `target`: the model, for stage 3's units; `collectives()`: the engines' host device
     and collectives); at stage 0 the `SummedGradientUpdate` when the optimizer clips or averages. A
-    LossScaleOptimizer's inner optimizer is the one sharded."""
+    LossScaleOptimizer's inner optimizer is the one sharded. With the model axis across processes (rows spanning
+    processes, stage 0 only) clipnorm and global_clipnorm sum the shards' squares over the row's processes."""
     # clipnorm takes each logical variable's norm (over its shards); the keys say which shards belong together
     logical = logical_keys(plans, variables)
-    norm = [f"{name}={value}" for name, value in (("clipnorm", optimizer.clipnorm),
-                                                   ("global_clipnorm", optimizer.global_clipnorm)) if value]
-    if norm and strategy.saves_collectively and len(set(logical)) < len(logical):
-        # Each process holds only its own shards of a split variable: its norms would miss the other processes'
-        # (measured at 1 x 4 over 2 processes, SGD: clipnorm 0.48, global_clipnorm 0.27 relative off one device).
-        raise ConfigError(f"{norm[0]} with the model axis across processes (a mesh row that spans processes) is not "
-                          "supported: each process would take the norm of its own shards only. Use clipvalue, or a "
-                          "mesh whose rows each stay inside one process.")
+    # A row across processes (zero_stage 0 only): this process holds only its shards; clipping sums their squares
+    # over the row's processes with the split layers' own row all-reduce (`RowNorms`).
+    span = next((plan.span for plan in plans if getattr(plan, "span", None) is not None), None)
+    row = None
+    if span is not None:
+        shards = {id(shard) for plan in plans for split in plan.layers for group in split.shards.values()
+                  for shard in group}
+        row = RowNorms(span.all_reduce, frozenset(id(v) for v in variables if id(v) in shards),
+                       strategy.extended.worker_devices[0])
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        norm = [f"{name}={value}" for name, value in (("clipnorm", inner.clipnorm),
+                                                       ("global_clipnorm", inner.global_clipnorm)) if value]
+        if norm and (inner is not optimizer or inner.gradient_accumulation_steps):
+            # Keras' own path then clips per process: the norm of this process's shards only.
+            raise ConfigError(f"{norm[0]} with the model axis across processes (a mesh row that spans processes) "
+                              "is supported without gradient_accumulation_steps and outside a LossScaleOptimizer "
+                              f"(got gradient_accumulation_steps={inner.gradient_accumulation_steps}, "
+                              f"{type(optimizer).__name__}): each process would take the norm of its own shards "
+                              "only. Drop one of them, or use a mesh whose rows each stay inside one process.")
     if strategy.zero_stage and engine_of(optimizer) is None and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer):
         devices = [[c.device for c in strategy.experimental_local_results(tf_variable(v))] for v in variables]
@@ -73,4 +85,4 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
         register_engine(optimizer, engine)
     # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
     if not strategy.zero_stage and SummedGradientUpdate.needed(optimizer):
-        SummedGradientUpdate.attach(optimizer, {id(v): key for v, key in zip(variables, logical)})
+        SummedGradientUpdate.attach(optimizer, {id(v): key for v, key in zip(variables, logical)}, row)
