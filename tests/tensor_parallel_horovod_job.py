@@ -37,7 +37,12 @@ DATA = {
 }
 BUILD = {"mlp": mlp, "transformer": transformer_block}
 RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
-        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01))]
+        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01)),
+        # Clipping by the logical variables' norms (0.02 / 0.05 clip every step; rows across ranks: the squares
+        # summed by hvd.allreduce in the row's process set) and Keras' EMA. Asked for by tag only.
+        ("mlp", "sgd-clipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02)),
+        ("mlp", "sgd-globalclipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)),
+        ("mlp", "sgd-ema", lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=5))]
 
 
 def logical(model, strategy_=None) -> dict:

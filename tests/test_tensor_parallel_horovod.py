@@ -178,6 +178,26 @@ def test_two_rows_of_two_ranks_use_a_process_set_per_row_and_per_place(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1-mesh1x2", "2x2-mesh1x4"])
+def test_clipping_and_ema_with_a_row_across_ranks_equal_one_device(tmp_path, devices):
+    """clipnorm / global_clipnorm (clipping all 12 steps) with the model axis across the ranks: each rank's shards'
+    squares summed over the row's process set, replicated variables once; and Keras' EMA."""
+    from tfdist.cluster.launcher import launch
+
+    tags = ("mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm", "mlp-sgd-ema")
+    log = io.StringIO()
+    rc = launch([sys.executable, JOB, str(tmp_path), "1", ",".join(tags)], 2, backend="horovod",
+                devices_per_worker=devices, env=ENV, out=log, timeout_s=400)
+    assert rc == 0, log.getvalue()[-4000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for tag in tags:
+        assert_equals_one_device(tag, arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"]),
+                                 arrays(records[1][tag]["weights"]))
+        assert records[0][tag]["loss"] == records[1][tag]["loss"], tag
+        np.testing.assert_allclose(records[0][tag]["loss"], records[0][tag]["ref_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_one_row_over_two_ranks_under_mpirun(tmp_path):
     # Horovod's MPI controller: mpirun sets OMPI_COMM_WORLD_RANK/SIZE (no HOROVOD_* variables); same checks.
     mpirun = shutil.which("mpirun")
