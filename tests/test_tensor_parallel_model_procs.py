@@ -2,10 +2,11 @@
 
 One real launch per configuration (2 processes x 1 logical CPU: mesh 1 x 2; 2 x 2: mesh 1 x 4; one row spanning the
 processes; tests/tensor_parallel_model_procs_job.py) checks `fit` of the MLP (SGD and Adam) and the Transformer block
-(Adam) against one device on the same batches, replicated variables bit-identical on both processes, each
-process's shards (1/T of the logical shape, on its own devices), the exchanges of a traced step (Megatron's pairing
-rule), evaluate/predict, and the chief's `.keras` file in plain Keras. A third launch (4 processes x 1 device, mesh
-2 x 2: two rows of two processes) checks the reduction over rows. Meshes that do not fit are refused before
+(Adam), and the MLP with SGD + clipnorm, + global_clipnorm and + use_ema, against one device on the same batches,
+replicated variables bit-identical on both processes, each process's shards (1/T of the logical shape, on its own
+devices), the exchanges of a traced step (Megatron's pairing rule), evaluate/predict, and the chief's `.keras` file
+in plain Keras. A third launch (4 processes x 1 device, mesh 2 x 2: two rows of two processes) checks the reduction
+over rows, with clipping too. Meshes that do not fit are refused before
 anything starts, so those tests need no launch.
 """
 
@@ -208,7 +209,8 @@ def test_two_rows_each_across_two_processes_reduce_over_the_rows(tmp_path):
     # 4 processes x 1 device, mesh 2 x 2: row 0 is processes 0-1, row 1 processes 2-3. Each row reads its half of
     # every global batch; shard k's gradient is summed over the rows by the processes at place k of each row.
     log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(tmp_path), "2", "mlp-sgd,mlp-adam,transformer-adam"], 4,
+    rc = launch([sys.executable, JOB, str(tmp_path), "2", "mlp-sgd,mlp-adam,transformer-adam,mlp-sgd-clipnorm,"
+                 "mlp-sgd-globalclipnorm"], 4,
                 devices_per_worker=1, out=log, timeout_s=400, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
@@ -222,6 +224,10 @@ def test_two_rows_each_across_two_processes_reduce_over_the_rows(tmp_path):
     for path in trained:  # saved by every process (each row gathers its shards), written by the chief
         np.testing.assert_array_equal(loaded[path], trained[path], err_msg=path)
     assert [r["mlp-adam"]["wrote_keras"] for r in records] == [True, False, False, False]
+    for tag in ("mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm"):  # norms over the row's processes, summed rows
+        for record in records[1:]:
+            assert_equals_one_device(tag, arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"]),
+                                     arrays(record[tag]["weights"]))
     for rank, record in enumerate(records):
         assert record["num_replicas"] == 2 and record["mesh_rows"] == [[TASK.format(rank, 0)]]
         for tag in ("mlp-sgd", "mlp-adam", "transformer-adam"):
