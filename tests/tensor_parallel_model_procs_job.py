@@ -119,6 +119,14 @@ for name, opt_name, optimizer in RUNS:
     if opt_name == "sgd" or name == "transformer":
         entry["counts"] = traced_counts(strategy, split, name)
     record[tag] = entry
+if wanted is None:  # clipnorm with gradient accumulation (Keras' own path, per-process norms): refused
+    try:
+        with strategies["mlp"].scope():
+            accumulating = keras.optimizers.SGD(0.1, clipnorm=0.02, gradient_accumulation_steps=2)
+            accumulating.build(mlp(seed=3).trainable_variables)
+        record["accumulation_refused"] = None
+    except tfdist.errors.ConfigError as e:
+        record["accumulation_refused"] = str(e)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print(f"rank {rank} done", flush=True)

@@ -96,6 +96,14 @@ def test_clipping_and_ema_across_the_row_equal_one_device(job, tag):
 
 
 @pytest.mark.slow
+def test_clipnorm_with_gradient_accumulation_across_the_row_is_refused_naming_both(job):
+    _, records, _ = job
+    for record in records:  # every process refuses alike (no process left waiting in a collective)
+        message = record["accumulation_refused"]
+        assert message and "clipnorm=0.02" in message and "gradient_accumulation_steps=2" in message
+
+
+@pytest.mark.slow
 def test_replicated_variables_and_their_optimizer_state_are_bit_identical_on_every_process(job):
     _, records, _ = job
     for tag in TAGS:
