@@ -52,7 +52,8 @@ class SummedGradientUpdate:
     variables counted once), runs Keras' own update of every variable, and with `use_ema` updates the averages
     and, every `ema_overwrite_frequency` steps, writes them into the model, all in cross-replica context (no
     merge_call inside a `tf.cond`). Every process computes the same norms from the same summed values (across a
-    row: the same all-reduced bits plus the same replicated squares), so processes stay bit-identical. Optimizers with `gradient_accumulation_steps` keep Keras' path.
+    row: the same all-reduced bits plus the same replicated squares), so processes stay bit-identical. Optimizers
+    with `gradient_accumulation_steps` keep Keras' path.
 
     Example:
         >>> optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0, use_ema=True, ema_overwrite_frequency=10)
