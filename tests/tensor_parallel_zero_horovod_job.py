@@ -21,7 +21,7 @@ import tp_models  # keras is imported inside its builders
 
 devices = tfdist.cluster.list_devices()  # first thing: the mesh, then the strategies (before TensorFlow starts)
 cols = len(devices) // rows
-size = int(os.environ.get("HOROVOD_SIZE", "1"))
+size = tfdist.cluster.world_size()  # from the launcher's variables (Horovod or MPI)
 if rows > size:  # several rows per rank: each rank's rows against device order
     grid = [devices[i:i + cols] for i in range(0, len(devices), cols)]
     k = rows // size

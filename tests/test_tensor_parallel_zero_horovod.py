@@ -4,7 +4,8 @@ Real launches through tfdist's launcher in its Horovod mode (Gloo; tests/tensor_
 MLP with Adam, 12 steps, at zero_stage 0, 1, 2 and 3 and on one device, on
 - 2 ranks x 2 devices, mesh 2 x 2 (one row per rank, the model axis inside it);
 - 2 ranks x 4 devices, mesh 4 x 2 with each rank's rows listed against device order (row 0 of rank 0 on CPU:2,
-  CPU:3): a group's copies are numbered by mesh row, not by device index.
+  CPU:3): a group's copies are numbered by mesh row, not by device index;
+- 2 ranks x 2 devices, mesh 2 x 2, under mpirun (Horovod's MPI controller), stages 2 and 3.
 Checked: every stage equal to one device within 1e-4 relative and to stage 0 bit for bit, ranks bit-identical
 (weights and the gathered logical Adam state), each rank's optimizer state 1/R of stage 0's (R = mesh rows, read from
 the engines' piece variables), each group's pieces numbered by global mesh row, and the chief's .keras of each stage
@@ -16,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -138,3 +140,31 @@ def test_zero_with_rows_spanning_horovod_ranks_is_refused_naming_zero_stage():
                        span_first=0, row_size=2, span_rows=1)
     with pytest.raises(ConfigError, match=r"zero_stage=2 with the model axis across processes.*zero_stage=0"):
         check_process_options(span, 2, None, "stage", "horovod")
+
+
+@pytest.mark.slow
+def test_zero_over_horovod_under_mpirun_equals_stage_0(tmp_path):
+    # Horovod's MPI controller (OMPI_COMM_WORLD_RANK/SIZE, no HOROVOD_* variables): stages 2 and 3 on mesh 2 x 2.
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    env = {**os.environ, **ENV, "TFDIST_LOCAL_DEVICES": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "TF_CONFIG", "TFDIST_RANK"):
+        env.pop(var, None)
+    cmd = [mpirun, "-np", "2", "--oversubscribe", *[a for v in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
+                                                               "TFDIST_LOCAL_DEVICES") for a in ("-x", v)],
+           sys.executable, JOB, str(tmp_path), "2", "0,2,3"]
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["backend"] for r in records] == ["horovod", "horovod"]
+    ref = arrays(records[0]["reference"])
+    for stage in ("2", "3"):
+        assert_equals_one_device(f"zero{stage}-adam", arrays(records[0][stage]["weights"]), ref,
+                                 arrays(records[1][stage]["weights"]))
+        assert records[0][stage]["weights"] == records[0]["0"]["weights"], stage
+        assert records[0][stage]["adam"] == records[1][stage]["adam"] == records[0]["0"]["adam"], stage
+        for record in records:  # half of stage 0's optimizer state per rank (+ < 1 element per flat slot of padding)
+            full = record["0"]["state_elements"]
+            assert full / 2 <= record[stage]["state_elements"] <= full / 2 + 2 * len(record[stage]["groups"]), stage
