@@ -2,7 +2,7 @@
 Horovod ranks (each rank whole rows).
 
 Usage (under `tfdist launch --backend horovod -n P --devices-per-worker M`):
-    python tensor_parallel_zero_horovod_job.py OUT ROWS STAGES
+    python tensor_parallel_zero_horovod_job.py OUT ROWS STAGES [ADAM_JSON]
 Global mesh ROWS x (P*M/ROWS) over `tfdist.cluster.list_devices()`; with several rows per rank each rank's rows are
 listed in reverse device order (row 0 of rank 0 on its last devices): the pieces must follow the mesh rows, not the
 device indices. Trains the MLP with Adam (12 steps) at each of STAGES (comma-separated) and once on one device;
@@ -16,6 +16,7 @@ import os
 import sys
 
 out, rows, stages = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
+ADAM = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # more Adam arguments, e.g. {"global_clipnorm": 0.1}
 import tfdist
 import tp_models  # keras is imported inside its builders
 
@@ -46,7 +47,7 @@ def fit(strategy):
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:
         model = tp_models.mlp(seed=7)
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
+        model.compile(optimizer=keras.optimizers.Adam(0.01, **ADAM),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)  # 12 steps
     return model

@@ -5,7 +5,8 @@ MLP with Adam, 12 steps, at zero_stage 0, 1, 2 and 3 and on one device, on
 - 2 ranks x 2 devices, mesh 2 x 2 (one row per rank, the model axis inside it);
 - 2 ranks x 4 devices, mesh 4 x 2 with each rank's rows listed against device order (row 0 of rank 0 on CPU:2,
   CPU:3): a group's copies are numbered by mesh row, not by device index;
-- 2 ranks x 2 devices, mesh 2 x 2, under mpirun (Horovod's MPI controller), stages 2 and 3.
+- 2 ranks x 2 devices, mesh 2 x 2, under mpirun (Horovod's MPI controller), stages 2 and 3;
+- 2 ranks x 2 devices, mesh 2 x 2, Adam with global_clipnorm and with clipnorm, stages 1-3, against one device.
 Checked: every stage equal to one device within 1e-4 relative and to stage 0 bit for bit, ranks bit-identical
 (weights and the gathered logical Adam state), each rank's optimizer state 1/R of stage 0's (R = mesh rows, read from
 the engines' piece variables), each group's pieces numbered by global mesh row, and the chief's .keras of each stage
@@ -168,3 +169,22 @@ def test_zero_over_horovod_under_mpirun_equals_stage_0(tmp_path):
         for record in records:  # half of stage 0's optimizer state per rank (+ < 1 element per flat slot of padding)
             full = record["0"]["state_elements"]
             assert full / 2 <= record[stage]["state_elements"] <= full / 2 + 2 * len(record[stage]["groups"]), stage
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [{"global_clipnorm": 0.1}, {"clipnorm": 0.05}], ids=["global_clipnorm", "clipnorm"])
+def test_zero_over_horovod_clips_the_summed_gradient_as_one_device(tmp_path, clip):
+    # Each group's norms are summed over the ranks (hvd.allreduce); these clips move one device's weights by 0.53
+    # (global_clipnorm) and 0.66 (clipnorm) relative, so an unclipped or per-rank-clipped update cannot pass.
+    from tfdist.cluster.launcher import launch
+
+    log = io.StringIO()
+    rc = launch([sys.executable, JOB, str(tmp_path), "2", "1,2,3", json.dumps(clip)], 2, backend="horovod",
+                devices_per_worker=2, env=ENV, out=log, timeout_s=400)
+    assert rc == 0, log.getvalue()[-4000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ref = arrays(records[0]["reference"])
+    for stage in ("1", "2", "3"):
+        assert_equals_one_device(f"zero{stage}-adam-{clip}", arrays(records[0][stage]["weights"]), ref,
+                                 arrays(records[1][stage]["weights"]))
+        assert records[0][stage]["adam"] == records[1][stage]["adam"], stage
