@@ -254,11 +254,3 @@ def test_list_devices_names_horovod_ranks_as_tasks():
     assert tfdist.cluster.list_devices(environ={"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1",
                                                 "TFDIST_LOCAL_DEVICES": "2"}) == ["/device:CPU:0", "/device:CPU:1"]
 
-
-def test_zero_stages_over_horovod_are_refused_naming_the_fix():
-    from tfdist.cluster.tf_config import ClusterConfig
-    from tfdist.strategies.model_parallel_procs import ProcessRows, check_process_options
-
-    rows = ProcessRows(ClusterConfig({"worker": ["a", "b"]}, "worker", 0), 0, 2, [["/device:CPU:0"]], 0, 1)
-    with pytest.raises(ConfigError, match=r"zero_stage=1 with ModelParallelStrategy\(backend='horovod'\)"):
-        check_process_options(rows, 1, None, "stage", "horovod")

@@ -23,7 +23,13 @@ from tfdist.sharding import GroupedZeroEngine, engine_of
 from tfdist.sharding.config import check_stage
 from tfdist.sharding.zero import tf_variable
 from tfdist.strategies.input_reuse import ReusedInputIterators
-from tfdist.strategies.model_parallel_horovod import choose_backend, horovod_row_span, horovod_rows, start_horovod
+from tfdist.strategies.model_parallel_horovod import (
+    choose_backend,
+    horovod_row_span,
+    horovod_rows,
+    horovod_zero_collectives,
+    start_horovod,
+)
 from tfdist.strategies.model_parallel_zero import Stage3Options, attach_update
 from tfdist.strategies.model_parallel_procs import (
     check_process_options,
@@ -102,8 +108,9 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     `global_clipnorm` sum the shards' squared norms over the row's processes (without gradient accumulation).
 
     With Horovod (`backend`: "auto" (Horovod under horovodrun / mpirun / `tfdist launch --backend horovod`, TF
-    collectives with TF_CONFIG), "tf" or "horovod"): the same meshes, stage 0; gradients go through grouped
-    `hvd.allreduce`, a row's sums through `hvd.allreduce` in the row's process set (docs/tensor-parallel.md).
+    collectives with TF_CONFIG), "tf" or "horovod"): the same meshes; gradients go through grouped
+    `hvd.allreduce`, a row's sums through `hvd.allreduce` in the row's process set, ZeRO's pieces (whole rows per
+    rank, stages 1-3) through HorovodStrategy's ZeRO collectives (docs/tensor-parallel.md).
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -353,7 +360,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             self._logical_saving.add(optimizer)
 
     def _zero_collectives(self) -> dict:
-        """The GroupedZeroEngine's host device and collectives (`model_parallel_procs.zero_collectives`)."""
+        """The GroupedZeroEngine's host device and collectives (`model_parallel_procs.zero_collectives`; over Horovod
+        ranks `model_parallel_horovod.horovod_zero_collectives`)."""
+        if self.backend == "horovod" and self.size > 1:
+            return horovod_zero_collectives(self)
         return zero_collectives(self, self._grid, self._first_row, self.__dict__.setdefault("_column_launchers", {}))
 
     def _slot_reference(self, optimizer, variable):

@@ -9,7 +9,9 @@ The mesh is the same as with TF collectives (`tfdist.cluster.list_devices()` nam
 - rows spanning processes (the model axis across processes): the split layers' sums and gathers are
   `hvd.allreduce` / `hvd.allgather` in the row's process set (`HorovodRow`); with several rows, the rows'
   gradients are summed in the process set of the processes at the same place of every row;
-- variables start as rank 0's (`HorovodGroup`: a signature all-gather, then `hvd.broadcast`).
+- variables start as rank 0's (`HorovodGroup`: a signature all-gather, then `hvd.broadcast`);
+- ZeRO over the batch axis (whole rows per process): each mesh column's group reduce-scatters, all-gathers and
+  all-reduces with `tfdist.HorovodStrategy`'s own `HorovodShardCollectives` (`horovod_zero_collectives`).
 
 Process sets: the global one when a set holds every rank, else added with Horovod's dynamic process sets (every
 rank adds the same sets, in the same order, when the strategy is created).
@@ -32,7 +34,8 @@ from tfdist.errors import ConfigError
 from tfdist.placement.mesh_devices import local_name, names_a_task
 from tfdist.placement.tensor_parallel_span import RowSpan
 
-__all__ = ["BACKENDS", "choose_backend", "horovod_row_span", "horovod_rows", "start_horovod"]
+__all__ = ["BACKENDS", "choose_backend", "horovod_row_span", "horovod_rows", "horovod_zero_collectives",
+           "start_horovod"]
 
 BACKENDS = ("auto", "tf", "horovod")
 _names = itertools.count(1)  # one op-name prefix per collective object, in creation order (equal on every rank)
@@ -123,3 +126,19 @@ def horovod_row_span(rows, row) -> RowSpan:
     """The RowSpan of this process's part of a row across Horovod ranks; `row`: its `HorovodRow` (process set)."""
     return RowSpan(rows.span_first, rows.row_size, rows.size // rows.span_rows, all_reduce=row.all_reduce,
                    all_gather=row.all_gather)
+
+
+def horovod_zero_collectives(strategy) -> dict:
+    """The GroupedZeroEngine's collectives when the batch axis spans Horovod ranks and each rank holds whole rows:
+    per mesh column (a group's devices: this rank's copies, one per local row, in row order) `tfdist.HorovodStrategy`'s
+    `HorovodShardCollectives` over every rank. Its numbering is the one the engine needs: local copy i of rank p owns
+    piece p * M + i (M rows per rank), and row p * M + i is this rank's i-th row because rows go rank by rank
+    (`process_rows`). It concatenates the copies in the order given, so the numbering does not depend on device
+    indices (TF's groups rank members by device index; `zero_collectives` reorders for them). A column's set is
+    every rank: Horovod's global process set, ops paired across ranks by their traced names (SPMD)."""
+    from tfdist.comm.horovod_shards import HorovodShardCollectives
+
+    def collectives(devices: list[str]) -> HorovodShardCollectives:
+        return HorovodShardCollectives(devices, strategy.rank, strategy.size, strategy.timeout_s)
+
+    return {"collectives": collectives}

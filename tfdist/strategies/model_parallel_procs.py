@@ -323,10 +323,7 @@ def row_span(strategy, rows: ProcessRows) -> RowSpan:
 def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_name: str,
                           backend: str = "tf") -> None:
     """What a mesh across processes does not run yet, refused before anything starts."""
-    if backend == "horovod" and zero_stage:
-        raise ConfigError(f"zero_stage={zero_stage} with ModelParallelStrategy(backend='horovod') across processes is "
-                          "not supported yet (ZeRO's groups over the batch axis are TF collective groups per mesh "
-                          "column). Use zero_stage=0, or backend='tf' (tfdist launch).")
+    del backend  # ZeRO runs over TF collectives and over Horovod alike (whole rows per process)
     if rows.span_first is not None and zero_stage:
         raise ConfigError(f"zero_stage={zero_stage} with the model axis across processes (a mesh row that spans "
                           "processes) is not supported: its optimizer state is already split with the shards. Use "
