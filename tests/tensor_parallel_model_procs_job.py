@@ -13,7 +13,7 @@ import sys
 
 out = sys.argv[1]
 import tfdist
-from tp_models import mlp, mlp_layout, transformer_block, transformer_layout  # keras is imported inside them
+from tp_models import mlp, mlp_layout, transformer_layout  # keras is imported inside them
 
 # First thing: the mesh over every process's devices, then the strategy (collectives configured before TF starts).
 devices = tfdist.cluster.list_devices()
@@ -26,43 +26,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.placement.tensor_parallel import collective_counts
+from tp_job_runs import DATA, RUNS, UNCLIPPED, fit, logical
 
 strategies["transformer"] = tfdist.ModelParallelStrategy(layouts["transformer"], batch_dim_name="batch", timeout_s=60)
 rank = tfdist.cluster.rank(strategies["mlp"])
-rng = np.random.RandomState(0)
-DATA = {
-    "mlp": (rng.rand(64, 12).astype("float32"), rng.randint(0, 5, size=64), 16),
-    "transformer": (rng.rand(32, 6, 16).astype("float32"), rng.randint(0, 3, size=32), 8),
-}
-BUILD = {"mlp": mlp, "transformer": transformer_block}
-RUNS = [("mlp", "sgd", lambda: keras.optimizers.SGD(0.1)), ("mlp", "adam", lambda: keras.optimizers.Adam(0.01)),
-        ("transformer", "adam", lambda: keras.optimizers.Adam(0.01)),
-        # Clipping by the logical variables' norms (every step clips: 0.02 / 0.05 are below the gradients' norms)
-        # and Keras' EMA, on the summed gradient (SummedGradientUpdate; a row's all-reduce of the squares).
-        ("mlp", "sgd-clipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02)),
-        ("mlp", "sgd-globalclipnorm", lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)),
-        ("mlp", "sgd-ema", lambda: keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=5))]
-UNCLIPPED = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
-
-
-def logical(model, strategy_=None) -> dict:
-    """Every logical variable by path (a split layer's variables read whole: a collective across processes)."""
-    values = {v.path: v.numpy() for v in model.weights if "_shard_" not in v.path}
-    for split in strategy_.shard_plan(model).layers if strategy_ is not None else []:
-        values.update({kv.path: kv.numpy() for kv in split.logical.values()})
-    return {path: np.asarray(value).tolist() for path, value in values.items()}
-
-
-def fit(name, optimizer, strategy_):
-    x, y, batch = DATA[name]
-    scope = strategy_.scope() if strategy_ is not None else tf.distribute.get_strategy().scope()
-    with scope:
-        keras.utils.set_random_seed(11)
-        model = BUILD[name]()
-        model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)  # 12 steps
-    return model, history.history["loss"]
 
 
 def traced_counts(strategy_, model, name) -> dict:
@@ -95,8 +62,8 @@ for name, opt_name, optimizer in RUNS:
     if wanted is not None and tag not in wanted:
         continue
     strategy = strategies[name]
-    reference, ref_loss = fit(name, optimizer, None)
-    split, loss = fit(name, optimizer, strategy)
+    reference, ref_loss = fit(name, optimizer, None, ["accuracy"])
+    split, loss = fit(name, optimizer, strategy, ["accuracy"])
     x, y, batch = DATA[name]
     plan = strategy.shard_plan(split)
     entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
