@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ import pytest
 
 from tfdist.errors import ConfigError
 
-from tp_models import assert_equals_one_device
+from tp_models import assert_equals_one_device, run_under_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tensor_parallel_horovod_job.py")
@@ -200,17 +199,7 @@ def test_clipping_and_ema_with_a_row_across_ranks_equal_one_device(tmp_path, dev
 @pytest.mark.slow
 def test_one_row_over_two_ranks_under_mpirun(tmp_path):
     # Horovod's MPI controller: mpirun sets OMPI_COMM_WORLD_RANK/SIZE (no HOROVOD_* variables); same checks.
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("OpenMPI's mpirun is not installed")
-    env = {**os.environ, **ENV, "TFDIST_LOCAL_DEVICES": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "TF_CONFIG", "TFDIST_RANK"):
-        env.pop(var, None)
-    cmd = [mpirun, "-np", "2", "--oversubscribe", *[a for v in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
-                                                               "TFDIST_LOCAL_DEVICES") for a in ("-x", v)],
-           sys.executable, JOB, str(tmp_path), "1", "mlp-sgd,mlp-adam"]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=400, check=False)
+    proc = run_under_mpirun(JOB, [str(tmp_path), "1", "mlp-sgd,mlp-adam"], {**os.environ, **ENV}, local_devices=1)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [r["backend"] for r in records] == ["horovod", "horovod"]

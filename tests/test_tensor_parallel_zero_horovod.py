@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ import pytest
 
 from tfdist.errors import ConfigError
 
-from tp_models import assert_equals_one_device
+from tp_models import assert_equals_one_device, run_under_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tensor_parallel_zero_horovod_job.py")
@@ -146,17 +145,7 @@ def test_zero_with_rows_spanning_horovod_ranks_is_refused_naming_zero_stage():
 @pytest.mark.slow
 def test_zero_over_horovod_under_mpirun_equals_stage_0(tmp_path):
     # Horovod's MPI controller (OMPI_COMM_WORLD_RANK/SIZE, no HOROVOD_* variables): stages 2 and 3 on mesh 2 x 2.
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("OpenMPI's mpirun is not installed")
-    env = {**os.environ, **ENV, "TFDIST_LOCAL_DEVICES": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "TF_CONFIG", "TFDIST_RANK"):
-        env.pop(var, None)
-    cmd = [mpirun, "-np", "2", "--oversubscribe", *[a for v in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
-                                                               "TFDIST_LOCAL_DEVICES") for a in ("-x", v)],
-           sys.executable, JOB, str(tmp_path), "2", "0,2,3"]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=400, check=False)
+    proc = run_under_mpirun(JOB, [str(tmp_path), "2", "0,2,3"], {**os.environ, **ENV}, local_devices=2)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [r["backend"] for r in records] == ["horovod", "horovod"]

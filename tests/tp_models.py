@@ -1,8 +1,11 @@
 """The models and layouts of the tensor-parallel tests, shared by the pytest modules and the multi-process job
 scripts, and the comparison with one device they make. Plain functions (no pytest), and keras is imported inside
-each builder: a job script creates its strategy before TensorFlow starts, and only then builds models."""
+each builder: a job script creates its strategy before TensorFlow starts, and only then builds models. Also the
+mpirun start of the Horovod tests (pytest imported there only, for its skip)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -85,3 +88,26 @@ def assert_equals_one_device(tag: str, got: dict, ref: dict, other: dict) -> Non
             assert np.max(np.abs(ref[path])) < 1e-3 and diff < 1e-3, (tag, path, diff)
         else:
             assert diff <= 1e-4 * max(float(np.max(np.abs(ref[path]))), 1e-3), (tag, path, diff)
+
+
+def run_under_mpirun(job: str, args: list[str], env: dict, local_devices: int, timeout: float = 400):
+    """`mpirun -np 2 python job *args` as Horovod's MPI controller sees it (OMPI_COMM_WORLD_RANK/SIZE, no HOROVOD_*
+    variables, no TF_CONFIG), `local_devices` logical CPUs per rank; the finished process (skips without mpirun)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    env = {**env, "TFDIST_LOCAL_DEVICES": str(local_devices), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "TF_CONFIG", "TFDIST_RANK"):
+        env.pop(var, None)
+    cmd = [mpirun, "-np", "2", "--oversubscribe", *[a for v in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
+                                                               "TFDIST_LOCAL_DEVICES") for a in ("-x", v)],
+           sys.executable, job, *args]
+    return subprocess.run(cmd, cwd=os.path.dirname(job), env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
