@@ -23,12 +23,11 @@ mesh = tfdist.DeviceMesh((rows, len(devices) // rows), ("batch", "model"), devic
 strategies = {"mlp": tfdist.ModelParallelStrategy(mlp_layout(mesh), batch_dim_name="batch", timeout_s=120)}
 strategies["transformer"] = tfdist.ModelParallelStrategy(transformer_layout(mesh), batch_dim_name="batch",
                                                          timeout_s=120)
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist.placement.tensor_parallel import collective_counts
-from tp_job_runs import DATA, RUNS, fit, logical
+from tp_job_runs import DATA, RUNS, fit, logical, traced_step_graph
 
 rank = tfdist.cluster.rank(strategies["mlp"])
 
@@ -36,24 +35,7 @@ rank = tfdist.cluster.rank(strategies["mlp"])
 def traced_ops(strategy_, model, name) -> dict:
     """The exchanges of a traced SGD step (custom loop, never run): tensor-parallel sums/gathers by name scope
     (`collective_counts`) and the collective ops by type, Horovod's and TF's, in the graph and its functions."""
-    x, y, batch = DATA[name]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with strategy_.scope():
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def step(xb, yb):
-        return strategy_.run(replica_step, args=(xb, yb))
-
-    graph = step.get_concrete_function(tf.constant(x[:batch]), tf.constant(y[:batch])).graph
+    graph = traced_step_graph(strategy_, model, name)
     nodes = list(graph.as_graph_def().node) + [n for fn in graph.as_graph_def().library.function for n in fn.node_def]
     kinds = ("HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather", "CollectiveReduceV2",
              "CollectiveGatherV2")

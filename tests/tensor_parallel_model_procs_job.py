@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.placement.tensor_parallel import collective_counts
-from tp_job_runs import DATA, RUNS, UNCLIPPED, fit, logical
+from tp_job_runs import DATA, RUNS, UNCLIPPED, fit, logical, traced_step_graph
 
 strategies["transformer"] = tfdist.ModelParallelStrategy(layouts["transformer"], batch_dim_name="batch", timeout_s=60)
 rank = tfdist.cluster.rank(strategies["mlp"])
@@ -34,24 +34,7 @@ rank = tfdist.cluster.rank(strategies["mlp"])
 
 def traced_counts(strategy_, model, name) -> dict:
     """The exchanges of a traced SGD step (custom loop: strategy.run inside a tf.function), never run."""
-    x, y, batch = DATA[name]
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with strategy_.scope():
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def step(xb, yb):
-        return strategy_.run(replica_step, args=(xb, yb))
-
-    return collective_counts(step.get_concrete_function(tf.constant(x[:batch]), tf.constant(y[:batch])).graph)
+    return collective_counts(traced_step_graph(strategy_, model, name))
 
 
 record = {"rank": rank, "mesh_rows": strategies["mlp"].mesh_rows,

@@ -44,3 +44,26 @@ def fit(name, optimizer, strategy_, metrics=()):
                       metrics=list(metrics))
     history = model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)  # 12 steps
     return model, history.history["loss"]
+
+
+def traced_step_graph(strategy_, model, name) -> tf.Graph:
+    """The graph of one SGD step of `model` in the custom-loop pattern (strategy.run inside a tf.function), traced
+    on `name`'s first batch and never run: what it exchanges is read from it."""
+    x, y, batch = DATA[name]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy_.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(xb, yb):
+        return strategy_.run(replica_step, args=(xb, yb))
+
+    return step.get_concrete_function(tf.constant(x[:batch]), tf.constant(y[:batch])).graph
