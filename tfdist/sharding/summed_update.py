@@ -156,15 +156,13 @@ class SummedGradientUpdate:
                 part = tf.math.unsorted_segment_sum(tf.stack([squares[j] for j in picked]),
                                                     tf.constant([keys[j] for j in picked], tf.int32), count)
                 totals = totals + (self.row.all_reduce(part) if own else part)
-            limit = self.optimizer.global_clipnorm or self.optimizer.clipnorm
-            if self.optimizer.global_clipnorm:
-                factors = tf.fill([count], limit / tf.maximum(tf.sqrt(tf.reduce_sum(totals)), limit))
-            else:
-                factors = limit / tf.maximum(tf.sqrt(totals), limit)
+        # totals[k]: logical variable k's sum of squares, so each is its own member
+        ((factors,),) = logical_clip_factors(self.optimizer, [[totals]], [list(range(count))], [[self.row.device]])
         out = []
         for j, g in enumerate(local):
             with tf.device(g.device or self.row.device):
-                out.append(g * tf.cast(factors[keys[j]], g.dtype))
+                factor = factors if factors.shape.rank == 0 else factors[keys[j]]  # global_clipnorm: one scalar
+                out.append(g * tf.cast(factor, g.dtype))
         return out
 
     def _ema(self, strategy) -> None:
