@@ -99,6 +99,11 @@ def test_a_small_run_on_two_emulated_nodes_writes_its_record(tmp_path):
             assert x["efficiency"] > 0
     for name, x in record["jobs"][1]["variants"].items():  # node 0's trace saw its gradient collectives
         assert x["communication_ms"] > 0 and 0 <= x["hidden_fraction"] <= 1, (name, x)
+    # node 0's CPU per step by thread: with peers, the collective executor's or gRPC's I/O threads worked too
+    peers = {g for x in record["jobs"][1]["variants"].values() for g, s in x["thread_cpu_s_per_step"].items() if s > 0}
+    assert peers & {"collective_ops", "event_engine"}, peers
+    for job in record["jobs"]:
+        assert all(sum(x["thread_cpu_s_per_step"].values()) > 0 for x in job["variants"].values())
     # Its cgroups (named after the benchmark's process) and emulated nodes are gone.
     assert not glob.glob(f"/sys/fs/cgroup/*/tfdist-straggler-{proc.pid}")
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout

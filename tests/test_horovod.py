@@ -24,6 +24,32 @@ def test_unknown_compression_or_op_is_a_config_error(kwargs, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("value", [-1, "fast"])
+def test_bad_cycle_time_names_the_parameter_and_the_default(value):
+    with pytest.raises(ConfigError, match=r"cycle_time_ms must be a number >= 0 \(Horovod's default is 1 ms\)"):
+        tfdist.HorovodStrategy(cycle_time_ms=value)
+
+
+def test_cycle_time_reaches_horovod_at_init_and_a_later_different_one_is_refused(python):
+    # HOROVOD_CYCLE_TIME is read once, by hvd.init(): the first strategy sets it; the same value later is
+    # fine, another one names what Horovod runs with instead of being silently ignored.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and k != "HOROVOD_CYCLE_TIME"}
+    proc = python("""
+        import os, tfdist
+        from tfdist.errors import ConfigError
+        tfdist.HorovodStrategy(cycle_time_ms=0.1)
+        print("ENV", os.environ["HOROVOD_CYCLE_TIME"])
+        tfdist.HorovodStrategy(cycle_time_ms=0.1)
+        try:
+            tfdist.HorovodStrategy(cycle_time_ms=2)
+        except ConfigError as err:
+            print("REFUSED", err)
+    """, env=env, check=True)
+    assert "ENV 0.1" in proc.stdout
+    assert "REFUSED cycle_time_ms=2: Horovod is already initialised in this process with HOROVOD_CYCLE_TIME=0.1" \
+        in proc.stdout
+
+
 def test_require_launcher_names_the_launch_commands(monkeypatch):
     for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_strategy
+from tensorflow.python.distribute import collective_util as _collective_util
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import cross_device_utils as _cross_device_utils
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
@@ -279,6 +280,37 @@ class PlacementExtended(MirroredExtended):
 
 
 # --- MultiWorkerMirroredStrategy ------------------------------------------------------------------
+# TF's ring sends each member's 1/N of a tensor as one RPC unless the op may subdivide it (MWMS leaves
+# `max_subdivs_per_device` at -1). Subdivided, chunks of at most 4 MB are pipelined, so the link does not idle
+# while a whole share is serialised, parsed and added (docs/comm.md). TF takes the fewest subdivisions whose
+# chunks fit in 4 MB, up to this bound.
+RING_MAX_SUBDIVS = 16
+
+
+class _SubdividedRingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
+    """MWMS's per-device collective launcher whose ring all-reduces may subdivide (RING_MAX_SUBDIVS)."""
+
+    def all_reduce(self, input_tensor, control_input=None, options=None):
+        options = self._options.merge(options)
+        if options.implementation == _collective_util.CommunicationImplementation.NCCL:
+            return super().all_reduce(input_tensor, control_input, options)
+        instance_key = self._next_instance_key()
+        ordering_token = self._get_ordering_token()
+        with tf.device(self._device), self._control_input(control_input):
+            return _collective_ops.all_reduce_v2(
+                input_tensor, self._group_size, self._group_key, instance_key,
+                communication_hint=options.implementation.value, timeout=options.timeout_seconds,
+                ordering_token=ordering_token, max_subdivs_per_device=RING_MAX_SUBDIVS)
+
+
+def _subdivide_ring(cross_device_ops) -> None:
+    """Makes a CollectiveAllReduce's launchers subdivide their ring all-reduces (no state changes: the
+    launchers keep their keys and ordering tokens)."""
+    for launcher in getattr(cross_device_ops, "_launchers", ()):
+        if type(launcher) is _cross_device_utils.CollectiveReplicaLauncher:
+            launcher.__class__ = _SubdividedRingLauncher
+
+
 class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
     """MWMS's StrategyExtended with a chosen set of local devices per worker.
 
@@ -292,6 +324,8 @@ class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
         self._tfdist_local = (local_device_type, local_indices)
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
+        _subdivide_ring(self._cross_device_ops)
+        _subdivide_ring(self._host_cross_device_ops)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         kind, indices = self._tfdist_local

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 16.0, 64.0], help="tensor sizes in MiB")
     p.add_argument("--iters", type=int, default=10, help="timed all-reduces per size (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size first")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds per engine and size (tf: tfdist's ring vs TF's default ring)")
     p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
     p.add_argument("--link-rates", nargs="+", default=None, metavar="RATE",
@@ -29,7 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bandwidth / link rate, next to raw TCP over the same link (--backend horovod: Gloo)")
     horovod = p.add_argument_group("--backend horovod", "raw hvd.allreduce vs HorovodStrategy's gradient path "
                                    "vs mpi4py, under mpirun and then Horovod's Gloo controller")
-    horovod.add_argument("--rounds", type=int, default=3, help="interleaved rounds per engine and size")
     horovod.add_argument("--no-gloo", action="store_true", help="skip the run under Horovod's Gloo controller")
     horovod.add_argument("--cycle-time-ms", type=float, default=None,
                          help="HOROVOD_CYCLE_TIME of the ranks (Horovod's default 1 ms; small messages wait for it)")
@@ -81,7 +82,7 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tfdist-allreduce-") as tmp:
         result_path = os.path.join(tmp, "rank0.json")
         cmd = module_command("tfdist.bench.allreduce", worker=result_path, iters=args.iters, warmup=args.warmup,
-                             sizes_mb=args.sizes_mb)
+                             rounds=args.rounds, sizes_mb=args.sizes_mb)
         log = io.StringIO()
         code = run_workers(cmd, args.num_workers, launcher="tf", out=log, link_rate=link_rate)
         if code != 0 or not os.path.exists(result_path):
@@ -96,7 +97,10 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
 
         for r in results:  # bus bandwidth as a share of each node's link: what a ring can at most carry
             r["busbw_over_link"] = r["busbw_gbps"] * 8e9 / parse_rate(link_rate)
-    return {"benchmark": NAME, "backend": "tf", "engine": "tf.distribute.MultiWorkerMirroredStrategy, RING over gRPC",
+            r["stock_busbw_over_link"] = r["stock_busbw_gbps"] * 8e9 / parse_rate(link_rate)
+    return {"benchmark": NAME, "backend": "tf",
+            "engine": "tfdist.MultiWorkerMirroredStrategy, RING over gRPC (subdivided)",
+            "stock_engine": "TF's default ring: CollectiveReduceV2 with max_subdivs_per_device=-1", "rounds": args.rounds,
             "link_rate": link_rate or "loopback", "tbf_burst_bytes": burst,
             "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
             "busbw_formula": "2(N-1)/N * bytes / median time", "results": results, "machine": machine()}
@@ -104,17 +108,25 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
 
 def _report(record: dict) -> None:
     print(f"all-reduce, {record.get('engine', record.get('backend'))}, {record.get('num_workers')} processes, "
-          f"median of {record.get('iters')}")
+          f"median of {record.get('iters')} x {record.get('rounds')} interleaved rounds; beside it TF's default ring")
     link = record.get("link_rate", "loopback")
     print(f"link: {link}")
-    print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}" + ("  busbw/link" if link != "loopback" else ""))
+    on_link = link != "loopback"
+    print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}" + ("  busbw/link" if on_link else "")
+          + f" {'stock TF':>10s}" + (" stock/link" if on_link else "") + "  tfdist/stock (min-max of rounds)")
     for r in record.get("results", []):
-        share = f"  {r['busbw_over_link']:10.2f}" if "busbw_over_link" in r else ""
-        print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share}")
+        share = f"  {r['busbw_over_link']:10.2f}" if on_link else ""
+        stock_share = f" {r['stock_busbw_over_link']:10.2f}" if on_link else ""
+        ratio = r["speedup_over_stock"]
+        print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share} "
+              f"{r['stock_median_ms']:7.2f} ms{stock_share}  {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
     if "tcp" in record:
         tcp = record["tcp"]
         print(f"raw TCP over the same link, both ways, {tcp['bytes'] / 2**20:g} MB: "
               f"{tcp['goodput_over_link']:.2f} x link")
+
+
+STOCK_GROUP_KEY = 987_654  # the stock engine's own collective group (MWMS numbers its groups from 1 upwards)
 
 
 def _worker(argv: list[str]) -> int:
@@ -122,6 +134,7 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--worker", required=True)
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--sizes-mb", type=float, nargs="+", required=True)
     args = p.parse_args(argv)
 
@@ -131,13 +144,18 @@ def _worker(argv: list[str]) -> int:
     import tensorflow as tf
 
     from tfdist.bench.common import bus_bandwidth
+    from tfdist.bench.rounds import spread
 
     n = tfdist.cluster.world_size(strategy)
+    device = strategy.extended.worker_devices[0]
+    instance = [0]
     results = []
     for size_mb in args.sizes_mb:
         count = int(size_mb * 2**20) // 4
         with strategy.scope():  # one copy per worker, made once: the timed step only reduces
             value = tf.Variable(tf.ones([count], tf.float32), trainable=False)
+        with tf.device(device):
+            local = tf.ones([count], tf.float32)
 
         @tf.function
         def allreduce():
@@ -147,24 +165,55 @@ def _worker(argv: list[str]) -> int:
 
             return strategy.run(replica)
 
-        def once() -> float:
-            start = time.perf_counter()
-            got = strategy.experimental_local_results(allreduce())[0].numpy()
-            seconds = time.perf_counter() - start
-            if got != 2 * n:  # every element sums to n
-                raise RuntimeError(f"all-reduce returned {got / 2}, expected {n}")
-            return seconds
+        @tf.function
+        def stock(key):
+            # TF's own default: the ring sends each worker's share as one RPC (max_subdivs_per_device=-1, what
+            # stock MultiWorkerMirroredStrategy runs)
+            with tf.device(device):
+                out = tf.raw_ops.CollectiveReduceV2(
+                    input=local, group_size=n, group_key=STOCK_GROUP_KEY, instance_key=key, ordering_token=[],
+                    merge_op="Add", final_op="Id", timeout_seconds=300.0, max_subdivs_per_device=-1)
+                return out[0] + out[-1]
 
-        for _ in range(args.warmup):
-            once()
-        times = [once() for _ in range(args.iters)]
-        median = statistics.median(times)
+        def tfdist_once() -> float:
+            return strategy.experimental_local_results(allreduce())[0].numpy()
+
+        def stock_once() -> float:
+            instance[0] += 1  # the same sequence on every worker
+            return stock(tf.constant(instance[0])).numpy()
+
+        engines = {"tfdist": tfdist_once, "stock": stock_once}
+        seconds: dict[str, list[list[float]]] = {name: [] for name in engines}
+        for fn in engines.values():
+            for _ in range(args.warmup):
+                fn()
+        for r in range(args.rounds):
+            for name in engines if r % 2 == 0 else reversed(list(engines)):
+                times = []
+                for _ in range(args.iters):
+                    start = time.perf_counter()
+                    got = engines[name]()
+                    times.append(time.perf_counter() - start)
+                    if got != 2 * n:  # every element sums to n
+                        raise RuntimeError(f"{name} all-reduce returned {got / 2}, expected {n}")
+                seconds[name].append(times)
         nbytes = count * 4
-        results.append({"size_mb": size_mb, "bytes": nbytes, "median_ms": 1000 * median,
-                        "min_ms": 1000 * min(times), "busbw_gbps": bus_bandwidth(nbytes, median, n) / 1e9,
-                        "algbw_gbps": nbytes / median / 1e9})
+        entry = {"size_mb": size_mb, "bytes": nbytes}
+        for name, rounds in seconds.items():
+            flat = [t for times in rounds for t in times]
+            median = statistics.median(flat)
+            prefix = "" if name == "tfdist" else "stock_"
+            entry.update({f"{prefix}median_ms": 1000 * median, f"{prefix}min_ms": 1000 * min(flat),
+                          f"{prefix}busbw_gbps": bus_bandwidth(nbytes, median, n) / 1e9})
+            if name == "tfdist":
+                entry["algbw_gbps"] = nbytes / median / 1e9
+        # tfdist's ring (subdivided) over TF's default, per round: how much the subdivision buys
+        entry["speedup_over_stock"] = spread([statistics.median(s) / statistics.median(t)
+                                              for t, s in zip(seconds["tfdist"], seconds["stock"])])
+        results.append(entry)
         if tfdist.cluster.is_chief(strategy):
-            print(f"{size_mb:g} MB: median {1000 * median:.2f} ms", flush=True)
+            print(f"{size_mb:g} MB: median {entry['median_ms']:.2f} ms (stock TF {entry['stock_median_ms']:.2f} ms)",
+                  flush=True)
     if tfdist.cluster.is_chief(strategy):
         with open(args.worker, "w") as f:
             json.dump(results, f)

@@ -1,10 +1,13 @@
 """`tfdist bench allreduce --backend horovod`: bus bandwidth of raw Horovod, HorovodStrategy's gradient path, mpi4py.
 
 Runs itself as 2 ranks (mpirun; then again under tfdist's launcher with Horovod's Gloo controller) and
-measures, interleaved in one run, at each size: raw `hvd.allreduce` of one float32 tensor, the
-reduction of a Keras 3 fit step under `tfdist.HorovodStrategy` (`replica_context.all_reduce(SUM)` on a
-list of gradient-shaped tensors totalling that size, in a tf.function, as the optimizer does), and
-mpi4py `Allreduce` on NumPy buffers. Bus bandwidth = 2(N-1)/N x bytes / time (median of `iters`).
+measures, interleaved in one run, at each size: raw `hvd.allreduce` of one float32 tensor called from Python
+(`horovod`), 10 chained `hvd.allreduce` inside one tf.function as a training step runs them (`horovod-step`,
+time per all-reduce), the reduction of a Keras 3 fit step under `tfdist.HorovodStrategy`
+(`replica_context.all_reduce(SUM)` on a list of gradient-shaped tensors totalling that size, as the optimizer
+does), and mpi4py `Allreduce` on NumPy buffers beside Horovod. The oracle, `mpi4py`, is timed on the same ranks
+before Horovod starts (its background thread negotiates over MPI every cycle and slows MPI traffic beside it).
+Bus bandwidth = 2(N-1)/N x bytes / time (median of `iters` x `rounds`; each round's median gives the spread).
 
 Standalone: `python -m tfdist.bench.allreduce_horovod --sizes-mb 1 16 64 --json out/allreduce_horovod.json`
 """
@@ -22,6 +25,7 @@ import time
 NAME = "allreduce-horovod"
 HELP = "all-reduce bus bandwidth: raw Horovod vs HorovodStrategy's gradient path vs mpi4py (2 ranks)"
 TARGET_RATIO = 0.9  # HorovodStrategy >= 0.9 x raw Horovod at 16 MB
+SMALL_TARGET = 0.5  # Horovod in a step >= 0.5 x mpi4py's bus bandwidth at 1 MB (issue 16)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,9 +56,44 @@ def _grad_shapes(total_floats: int) -> list[list[int]]:
     return shapes
 
 
+STEP_CHAIN = 10  # all-reduces per call of the "in a step" engine
+
+
+def _mpi4py_alone(args: argparse.Namespace) -> tuple[object, dict[str, list[float]]]:
+    """mpi4py `Allreduce` timed on these ranks before Horovod starts (COMM_WORLD, or None off mpirun).
+
+    Not interleaved with Horovod's engines: once Horovod runs, its background thread negotiates over MPI every cycle
+    (HOROVOD_CYCLE_TIME), which slows mpi4py's Allreduce beside it (the `mpi4py-beside-horovod` engine shows by how
+    much). The oracle is what MPI does here on its own."""
+    import numpy as np
+
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+        return None, {}
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None, {}
+    comm, timings = MPI.COMM_WORLD, {}
+    for size_mb in args.sizes_mb:
+        send = np.full(int(size_mb * 1024 * 1024 / 4), comm.Get_rank() + 1, np.float32)
+        recv = np.empty_like(send)
+        comm.Allreduce(send, recv)
+        seconds = []
+        for _ in range(args.rounds):
+            comm.Barrier()
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                comm.Allreduce(send, recv)
+                seconds.append(time.perf_counter() - start)
+        timings[str(size_mb)] = seconds
+    return comm, timings
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One rank: measure every engine at every size, rank 0 writes the raw timings."""
     import numpy as np
+
+    comm, alone = _mpi4py_alone(args)  # first: before TensorFlow's and Horovod's threads exist
     import tensorflow as tf
 
     import tfdist
@@ -64,18 +103,21 @@ def _worker(args: argparse.Namespace) -> None:
     strategy = tfdist.HorovodStrategy()
     hvd = horovod()
     n = hvd.size()
-    comm = None
-    if hvd.mpi_enabled():
-        try:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-        except ImportError:
-            comm = None
+    if not hvd.mpi_enabled():
+        comm = None
 
     @tf.function
     def raw(x):
         return hvd.allreduce(x, op=hvd.Sum)
+
+    @tf.function
+    def in_a_step(x):
+        # STEP_CHAIN all-reduces, each waiting for the one before, inside one graph as a training step runs
+        # them: no Python, no eager dispatch between them. After the first, every rank holds the mean (n+1)/2, which
+        # the next ones keep.
+        for i in range(STEP_CHAIN):
+            x = hvd.allreduce(x, op=hvd.Average, name=f"bench_chain_{i}")
+        return x
 
     @tf.function
     def strategy_step(grads):
@@ -95,33 +137,47 @@ def _worker(args: argparse.Namespace) -> None:
         send = np.full(floats, hvd.rank() + 1, np.float32)
         recv = np.empty_like(send)
         engines = {
-            "horovod": lambda: raw(x).numpy(),
-            "strategy": lambda: [g.numpy() for g in strategy_step(grads)],
+            "horovod": (lambda: raw(x).numpy(), 1),
+            "horovod-step": (lambda: in_a_step(x).numpy(), STEP_CHAIN),
+            "strategy": (lambda: [g.numpy() for g in strategy_step(grads)], 1),
         }
         if comm is not None:
-            engines["mpi4py"] = lambda: comm.Allreduce(send, recv)
-        for fn in engines.values():  # trace and warm up, identical order on all ranks
+            engines["mpi4py-beside-horovod"] = (lambda: comm.Allreduce(send, recv), 1)
+        for fn, _ in engines.values():  # trace and warm up, identical order on all ranks
             fn()
             fn()
         per_engine = {name: [] for name in engines}
         for r in range(args.rounds):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for name in order:
+                fn, count = engines[name]
                 barrier()
                 for _ in range(args.iters):
                     start = time.perf_counter()
-                    engines[name]()
-                    per_engine[name].append(time.perf_counter() - start)
+                    fn()
+                    per_engine[name].append((time.perf_counter() - start) / count)
+        if str(size_mb) in alone:
+            per_engine["mpi4py"] = alone[str(size_mb)]
         timings[str(size_mb)] = per_engine
         _check_results(size_mb, n, raw(x).numpy(), [g.numpy() for g in strategy_step(grads)],
                        recv if comm is not None else None)
+        chained = in_a_step(x).numpy()
+        if chained.min() != (n + 1) / 2 or chained.max() != (n + 1) / 2:
+            raise RuntimeError(f"{STEP_CHAIN} chained hvd.allreduce(Average) returned "
+                               f"{sorted({float(chained.min()), float(chained.max())})}, expected {(n + 1) / 2} "
+                               "everywhere")
     if hvd.rank() == 0:
         with open(args.json, "w") as f:
             json.dump({"ranks": n, "controller": "mpi" if hvd.mpi_enabled() else "gloo", "timings": timings,
+                       "iters": args.iters, "rounds": args.rounds,
                        "cycle_time_ms": float(os.environ["HOROVOD_CYCLE_TIME"])
                        if "HOROVOD_CYCLE_TIME" in os.environ else None,
                        "fusion_threshold_bytes": int(os.environ["HOROVOD_FUSION_THRESHOLD"])
                        if "HOROVOD_FUSION_THRESHOLD" in os.environ else None}, f)
+
+
+def _cycle_text(cycle_time_ms: float | None) -> str:
+    return "Horovod's default (1 ms)" if cycle_time_ms is None else f"{cycle_time_ms:g} ms"
 
 
 def _check_results(size_mb: float, n: int, raw, strategy: list, mpi4py) -> None:
@@ -163,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     import statistics
 
     from tfdist.bench.common import bus_bandwidth, machine, write_json
+    from tfdist.bench.rounds import spread
 
     if getattr(args, "link_rates", None):
         return run_links(args)
@@ -178,17 +235,23 @@ def run(args: argparse.Namespace) -> dict:
     for controller, data in runs.items():
         for size, per_engine in data["timings"].items():
             for engine, seconds in per_engine.items():
-                label = engine if engine == "mpi4py" else f"{engine}-{controller}"
+                label = engine if engine.startswith("mpi4py") else f"{engine}-{controller}"
                 size = f"{float(size):g}"
                 t = statistics.median(seconds)
                 nbytes = float(size) * 1024 * 1024
+                # each round's median: the spread printed beside the figure
+                per_round = [statistics.median(seconds[i:i + data["iters"]])
+                             for i in range(0, len(seconds), data["iters"])] if data.get("iters") else [t]
                 results.setdefault(label, {})[size] = {
-                    "median_ms": 1000 * t, "busbw_gbps": bus_bandwidth(nbytes, t, n) / 1e9, "samples": len(seconds)}
+                    "median_ms": 1000 * t, "busbw_gbps": bus_bandwidth(nbytes, t, n) / 1e9, "samples": len(seconds),
+                    "round_busbw_gbps": spread([bus_bandwidth(nbytes, r, n) / 1e9 for r in per_round])}
     sizes = [f"{float(s):g}" for s in args.sizes_mb]
     print(f"all-reduce bus bandwidth, {n} ranks, float32, median of {args.iters} x {args.rounds} rounds (GB/s)")
-    print(f"{'engine':22s}" + "".join(f"{s + ' MB':>12s}" for s in sizes))
+    print(f"{'engine':26s}" + "".join(f"{s + ' MB (min-max of rounds)':>30s}" for s in sizes))
     for label, per_size in results.items():
-        print(f"{label:22s}" + "".join(f"{per_size[s]['busbw_gbps']:12.2f}" for s in sizes))
+        cells = [f"{per_size[s]['busbw_gbps']:.2f} ({per_size[s]['round_busbw_gbps']['min']:.2f}-"
+                 f"{per_size[s]['round_busbw_gbps']['max']:.2f})" for s in sizes]
+        print(f"{label:26s}" + "".join(f"{c:>30s}" for c in cells))
     ratios = {}
     for controller in runs:
         raw, ours = results.get(f"horovod-{controller}"), results.get(f"strategy-{controller}")
@@ -196,7 +259,8 @@ def run(args: argparse.Namespace) -> dict:
             ratios[f"strategy/horovod ({controller})"] = {
                 s: ours[s]["busbw_gbps"] / raw[s]["busbw_gbps"] for s in sizes}
     if "mpi4py" in results:
-        for label in ("horovod-mpi", "strategy-mpi", "horovod-gloo", "strategy-gloo"):
+        for label in ("horovod-mpi", "horovod-step-mpi", "strategy-mpi", "mpi4py-beside-horovod",
+                      "horovod-gloo", "horovod-step-gloo", "strategy-gloo"):
             if label in results:
                 ratios[f"{label}/mpi4py"] = {
                     s: results[label][s]["busbw_gbps"] / results["mpi4py"][s]["busbw_gbps"] for s in sizes}
@@ -210,7 +274,15 @@ def run(args: argparse.Namespace) -> dict:
         verdict = r >= TARGET_RATIO
         print(f"HorovodStrategy / raw Horovod at 16 MB (MPI) = {r:.3f} (target >= {TARGET_RATIO}): "
               f"{'PASS' if verdict else 'MISS'}")
+    small = None
+    if "1" in sizes and "horovod-step-mpi/mpi4py" in ratios:
+        small = ratios["horovod-step-mpi/mpi4py"]["1"]
+        print(f"Horovod at 1 MB in a step / mpi4py alone (MPI) = {small:.3f} (target >= {SMALL_TARGET}): "
+              f"{'PASS' if small >= SMALL_TARGET else 'MISS'}"
+              f"; cycle time {_cycle_text(runs['mpi'].get('cycle_time_ms'))}")
     record = {"benchmark": "allreduce", "backend": "horovod", "ranks": n, "sizes_mb": args.sizes_mb,
+              "cycle_time_ms": {c: r.get("cycle_time_ms") for c, r in runs.items()},
+              "horovod_step_over_mpi4py_1mb": small, "target_horovod_over_mpi4py_1mb": SMALL_TARGET,
               "fusion_threshold_bytes": {c: r.get("fusion_threshold_bytes") for c, r in runs.items()},
               "iters": args.iters, "rounds": args.rounds, "results": results, "ratios": ratios,
               "target_strategy_over_horovod_16mb": TARGET_RATIO, "pass": verdict, "machine": machine()}

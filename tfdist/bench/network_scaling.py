@@ -157,6 +157,7 @@ def summarize(jobs: list[dict], args: argparse.Namespace) -> dict:
                 "trace_steps": None if not v["trace"] else v["trace"]["steps"],
                 "buckets": v["buckets"], "gradient_bytes": v["gradient_bytes"], "sent_bytes": v["sent_bytes"],
                 "bytes_cut": v["gradient_bytes"] / v["sent_bytes"],
+                "thread_cpu_s_per_step": v.get("thread_cpu_s_per_step"),
             }
         out.append(row)
     return {"parameters": jobs[0]["parameters"], "jobs": out}
@@ -239,6 +240,10 @@ def _print_summary(result: dict) -> None:
                 f"{v['exposed_ms']:.0f} ms exposed")
             print(f"{where:16s} {name:9s} images/s {describe(v['images_per_sec'], '{:.1f}')}{eff}{hidden}; "
                   f"bytes sent {v['sent_bytes']:,} of {v['gradient_bytes']:,} ({v['bytes_cut']:.1f}x cut)", flush=True)
+            if v.get("thread_cpu_s_per_step"):
+                top = list(v["thread_cpu_s_per_step"].items())[:4]
+                print(f"{'':16s} {'':9s} node 0's CPU s/step by thread: "
+                      + ", ".join(f"{g} {s:.3f}" for g, s in top), flush=True)
 
 
 def _plot(record: dict, path: str) -> None:

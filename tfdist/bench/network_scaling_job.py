@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tfdist._compat.tf_runtime import executed_partition_devices
     from tfdist.bench.ddp_trace import overlap_by_step, profile
+    from tfdist.bench.thread_cpu import seconds_by_group, snapshot
     from tfdist.comm.powersgd import PowerSGD
 
     rank, nodes = tfdist.cluster.rank(strategy), tfdist.cluster.world_size(strategy)
@@ -100,16 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         device_of = executed_partition_devices(lambda m=model: m.fit(data, epochs=1, steps_per_epoch=2, verbose=0))
         gradient_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)
         variants[name] = {
-            "model": model, "device_of": device_of, "seconds": [],
+            "model": model, "device_of": device_of, "seconds": [], "thread_cpu_s": {}, "fit_steps": 0,
             "buckets": None if path is None else len(path.buckets),
             "gradient_bytes": gradient_bytes if path is None else path.gradient_bytes,
             "sent_bytes": gradient_bytes if path is None else path.wire_bytes,
         }
     for r in range(args.rounds):
         for name in args.variants if r % 2 == 0 else list(reversed(args.variants)):
-            clock = Clock()
-            variants[name]["model"].fit(data, epochs=1, steps_per_epoch=1 + args.steps, verbose=0, callbacks=[clock])
-            variants[name]["seconds"].append(clock.ends[-1] - clock.ends[0])
+            clock, v = Clock(), variants[name]
+            before = snapshot()
+            v["model"].fit(data, epochs=1, steps_per_epoch=1 + args.steps, verbose=0, callbacks=[clock])
+            for group, seconds in seconds_by_group(before, snapshot()).items():
+                v["thread_cpu_s"][group] = v["thread_cpu_s"].get(group, 0.0) + seconds
+            v["fit_steps"] += 1 + args.steps
+            v["seconds"].append(clock.ends[-1] - clock.ends[0])
     for name in args.variants:
         v = variants[name]
         run = (lambda callbacks=(), m=v["model"]: m.fit(data, epochs=1, steps_per_epoch=1 + args.profile_steps, verbose=0,
@@ -138,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": [1000 * s / args.steps for s in v["seconds"]],
             "buckets": v["buckets"], "gradient_bytes": v["gradient_bytes"], "sent_bytes": v["sent_bytes"],
             "trace": v["trace"],
+            # what this node's CPU went to per step, by thread group (gRPC's I/O threads vs the compute pools)
+            "thread_cpu_s_per_step": {g: s / v["fit_steps"] for g, s in v["thread_cpu_s"].items()},
         } for name, v in variants.items()},
     }
     with open(args.out, "w") as f:

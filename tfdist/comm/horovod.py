@@ -37,28 +37,40 @@ def horovod():
 CPU_FUSION_THRESHOLD_MB = 1.0
 
 
-def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = True):
+def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = True,
+                 cycle_time_ms: float | None = None):
     """Initialises Horovod once per process and returns `horovod.tensorflow`.
 
     `fusion_threshold_mb` sets HOROVOD_FUSION_THRESHOLD (the size of Horovod's fusion buffer: small
-    gradients travel together in one all-reduce up to this size). It is read by `hvd.init()`, so it
-    only applies to the first initialisation in a process; a different explicit value later raises.
+    gradients travel together in one all-reduce up to this size); `cycle_time_ms` sets HOROVOD_CYCLE_TIME
+    (how long Horovod's background thread waits between rounds of negotiation: a lower value lets a small
+    all-reduce start sooner, at the price of an idle thread that wakes up more often). Both are read by
+    `hvd.init()`, so they only apply to the first initialisation in a process; a different explicit value
+    later raises (`fusion_threshold_mb` when `explicit`, `cycle_time_ms` whenever given).
     """
     hvd = horovod()
-    wanted = None if fusion_threshold_mb is None else str(int(fusion_threshold_mb * 1024 * 1024))
     if fusion_threshold_mb is not None and fusion_threshold_mb < 0:
         raise ConfigError(f"fusion_threshold_mb must be >= 0 (0 turns fusion off), got {fusion_threshold_mb!r}.")
+    if cycle_time_ms is not None and not (isinstance(cycle_time_ms, (int, float)) and cycle_time_ms >= 0):
+        raise ConfigError(f"cycle_time_ms must be a number >= 0 (Horovod's default is 1 ms), got {cycle_time_ms!r}.")
+    settings = {}  # environment variable -> (parameter, value given, wanted text, checked when initialised)
+    if fusion_threshold_mb is not None:
+        settings["HOROVOD_FUSION_THRESHOLD"] = ("fusion_threshold_mb", fusion_threshold_mb,
+                                                str(int(fusion_threshold_mb * 1024 * 1024)), explicit)
+    if cycle_time_ms is not None:
+        settings["HOROVOD_CYCLE_TIME"] = ("cycle_time_ms", cycle_time_ms, f"{cycle_time_ms:g}", True)
     if hvd.is_initialized():
-        have = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-        if explicit and wanted is not None and have != wanted:
-            raise ConfigError(
-                f"fusion_threshold_mb={fusion_threshold_mb}: Horovod is already initialised in this process "
-                f"with HOROVOD_FUSION_THRESHOLD={have or 'default (128 MB)'}; it is fixed at hvd.init(). "
-                "Create the first HorovodStrategy with this value, or restart the process."
-            )
+        for var, (name, given, wanted, checked) in settings.items():
+            have = os.environ.get(var)
+            if checked and have != wanted:
+                raise ConfigError(
+                    f"{name}={given}: Horovod is already initialised in this process with {var}="
+                    f"{have or 'its default'}; it is fixed at hvd.init(). Create the first HorovodStrategy "
+                    "with this value, or restart the process."
+                )
         return hvd
-    if wanted is not None:
-        os.environ["HOROVOD_FUSION_THRESHOLD"] = wanted
+    for var, (_, _, wanted, _) in settings.items():
+        os.environ[var] = wanted
     hvd.init()
     return hvd
 

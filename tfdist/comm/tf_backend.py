@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tfdist._compat import tf_runtime
-from tfdist._compat.distribute import COMM_KEY_BASE
+from tfdist._compat.distribute import COMM_KEY_BASE, RING_MAX_SUBDIVS
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
 from tfdist.comm.tf_config import MULTI_WORKER_JOBS, ClusterConfig
@@ -100,7 +100,8 @@ class TFBackend(Backend):
     def all_reduce(self, x: tf.Tensor, op: str, group: Group) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveReduceV2(
             input=x, group_size=group.size, group_key=group.key, instance_key=self._instance_key(group.key),
-            ordering_token=[], merge_op=_MERGE[op], final_op="Id", timeout_seconds=self.timeout_s))
+            ordering_token=[], merge_op=_MERGE[op], final_op="Id", timeout_seconds=self.timeout_s,
+            max_subdivs_per_device=RING_MAX_SUBDIVS))
 
     def all_gather(self, x: tf.Tensor, group: Group) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveGatherV2(
