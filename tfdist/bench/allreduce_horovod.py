@@ -113,10 +113,10 @@ def _worker(args: argparse.Namespace) -> None:
     @tf.function
     def in_a_step(x):
         # STEP_CHAIN all-reduces, each waiting for the one before, inside one graph as a training step runs
-        # them: no Python, no eager dispatch between them. After the first, every rank holds the mean (n+1)/2, which
-        # the next ones keep.
+        # them: no Python, no eager dispatch between them. Sum, as the other engines: Average would add a scaling
+        # pass over the buffer (Horovod's ScaleBuffer, in a perf profile). The values grow by n per link: exact.
         for i in range(STEP_CHAIN):
-            x = hvd.allreduce(x, op=hvd.Average, name=f"bench_chain_{i}")
+            x = hvd.allreduce(x, op=hvd.Sum, name=f"bench_chain_{i}")
         return x
 
     @tf.function
@@ -161,11 +161,10 @@ def _worker(args: argparse.Namespace) -> None:
         timings[str(size_mb)] = per_engine
         _check_results(size_mb, n, raw(x).numpy(), [g.numpy() for g in strategy_step(grads)],
                        recv if comm is not None else None)
-        chained = in_a_step(x).numpy()
-        if chained.min() != (n + 1) / 2 or chained.max() != (n + 1) / 2:
-            raise RuntimeError(f"{STEP_CHAIN} chained hvd.allreduce(Average) returned "
-                               f"{sorted({float(chained.min()), float(chained.max())})}, expected {(n + 1) / 2} "
-                               "everywhere")
+        chained, want = in_a_step(x).numpy(), n * (n + 1) / 2 * n ** (STEP_CHAIN - 1)
+        if chained.min() != want or chained.max() != want:
+            raise RuntimeError(f"{STEP_CHAIN} chained hvd.allreduce(Sum) returned "
+                               f"{sorted({float(chained.min()), float(chained.max())})}, expected {want} everywhere")
     if hvd.rank() == 0:
         with open(args.json, "w") as f:
             json.dump({"ranks": n, "controller": "mpi" if hvd.mpi_enabled() else "gloo", "timings": timings,
