@@ -24,7 +24,7 @@ def test_unknown_compression_or_op_is_a_config_error(kwargs, needle):
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("value", [-1, "fast"])
+@pytest.mark.parametrize("value", [-1, "fast", True, float("inf")])
 def test_bad_cycle_time_names_the_parameter_and_the_default(value):
     with pytest.raises(ConfigError, match=r"cycle_time_ms must be a number >= 0 \(Horovod's default is 1 ms\)"):
         tfdist.HorovodStrategy(cycle_time_ms=value)
@@ -39,7 +39,7 @@ def test_cycle_time_reaches_horovod_at_init_and_a_later_different_one_is_refused
         from tfdist.errors import ConfigError
         tfdist.HorovodStrategy(cycle_time_ms=0.1)
         print("ENV", os.environ["HOROVOD_CYCLE_TIME"])
-        tfdist.HorovodStrategy(cycle_time_ms=0.1)
+        tfdist.HorovodStrategy(cycle_time_ms=0.10)  # the same number, written differently
         try:
             tfdist.HorovodStrategy(cycle_time_ms=2)
         except ConfigError as err:

@@ -21,16 +21,15 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 __all__ = [
     "COMM_KEY_BASE", "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PlacementExtended",
     "ProcessCrossDeviceOps", "ProcessGroup", "collective_launchers", "collective_server", "devices_of",
-    "first_global_replica_id", "init_strategy", "is_mirrored",
-    "launcher_all_gather", "launcher_all_reduce_sum", "launcher_all_to_all", "launcher_device", "local_values",
+    "first_global_replica_id", "init_strategy", "is_mirrored", "launcher_all_gather", "launcher_all_reduce_sum",
+    "launcher_all_to_all", "launcher_device", "local_values",
     "reduce_non_distributed_value", "regroup_per_replica", "strategy_task", "variable_strategy",
 ]
 
 # --- Strategy construction and collective keys ----------------------------------------------------
-# MirroredExtended numbers its collective groups from `container_strategy._collective_key_base`.
-# Every stock strategy starts at 0, so two strategies over different device sets in one process
-# join the same group and fail ("joining a group with size 2, but that group has size 4").
-# Giving each tfdist strategy its own base keeps them apart (TF's own tests do the same).
+# MirroredExtended numbers its collective groups from `container_strategy._collective_key_base`. Every stock
+# strategy starts at 0, so two over different device sets in one process join the same group and fail ("joining
+# a group with size 2, but that group has size 4"); each tfdist strategy gets its own base (as TF's tests do).
 #
 # Group keys from COMM_KEY_BASE up belong to tfdist.comm's collectives for users (the MWMS that starts
 # its server numbers its few groups from COMM_KEY_BASE + 1; its world, new_group()s and send/recv pairs
@@ -281,9 +280,8 @@ class PlacementExtended(MirroredExtended):
 
 # --- MultiWorkerMirroredStrategy ------------------------------------------------------------------
 # TF's ring sends each member's 1/N of a tensor as one RPC unless the op may subdivide it (MWMS leaves
-# `max_subdivs_per_device` at -1). Subdivided, chunks of at most 4 MB are pipelined, so the link does not idle
-# while a whole share is serialised, parsed and added (docs/comm.md). TF takes the fewest subdivisions whose
-# chunks fit in 4 MB, up to this bound.
+# `max_subdivs_per_device` at -1); subdivided, chunks of at most 4 MB are pipelined and the link does not idle
+# while a whole share is serialised, parsed and added (docs/comm.md). TF takes the fewest subdivisions up to this.
 RING_MAX_SUBDIVS = 16
 
 
@@ -294,8 +292,7 @@ class _SubdividedRingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
         options = self._options.merge(options)
         if options.implementation == _collective_util.CommunicationImplementation.NCCL:
             return super().all_reduce(input_tensor, control_input, options)
-        instance_key = self._next_instance_key()
-        ordering_token = self._get_ordering_token()
+        instance_key, ordering_token = self._next_instance_key(), self._get_ordering_token()  # TF's order
         with tf.device(self._device), self._control_input(control_input):
             return _collective_ops.all_reduce_v2(
                 input_tensor, self._group_size, self._group_key, instance_key,
@@ -303,12 +300,12 @@ class _SubdividedRingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
                 ordering_token=ordering_token, max_subdivs_per_device=RING_MAX_SUBDIVS)
 
 
-def _subdivide_ring(cross_device_ops) -> None:
-    """Makes a CollectiveAllReduce's launchers subdivide their ring all-reduces (no state changes: the
-    launchers keep their keys and ordering tokens)."""
-    for launcher in getattr(cross_device_ops, "_launchers", ()):
-        if type(launcher) is _cross_device_utils.CollectiveReplicaLauncher:
-            launcher.__class__ = _SubdividedRingLauncher
+def _subdivide_ring(extended) -> None:
+    """Makes MWMS's launchers subdivide their ring all-reduces (they keep keys and ordering tokens)."""
+    for ops in (extended._cross_device_ops, getattr(extended, "_host_cross_device_ops", None)):
+        for launcher in getattr(ops, "_launchers", ()):
+            if type(launcher) is _cross_device_utils.CollectiveReplicaLauncher:
+                launcher.__class__ = _SubdividedRingLauncher
 
 
 class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
@@ -324,8 +321,11 @@ class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
         self._tfdist_local = (local_device_type, local_indices)
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
-        _subdivide_ring(self._cross_device_ops)
-        _subdivide_ring(self._host_cross_device_ops)
+        _subdivide_ring(self)
+
+    def _configure(self, *args, **kwargs):  # rebuilds the cross-device ops: every worker subdivides again
+        super()._configure(*args, **kwargs)
+        _subdivide_ring(self)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         kind, indices = self._tfdist_local

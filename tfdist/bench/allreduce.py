@@ -42,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
     if args.iters < 1 or args.num_workers < 2 or any(s <= 0 for s in args.sizes_mb):
         raise ConfigError(f"need --iters >= 1, -n >= 2 and sizes > 0; got --iters {args.iters}, "
                           f"-n {args.num_workers}, --sizes-mb {args.sizes_mb}.")
+    args.rounds = getattr(args, "rounds", 3)
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1 (interleaved rounds per engine and size), got {args.rounds}.")
+    if getattr(args, "cycle_time_ms", None) is not None and args.cycle_time_ms < 0:
+        raise ConfigError(f"--cycle-time-ms must be >= 0 (Horovod's default is 1), got {args.cycle_time_ms:g}.")
     if args.backend == "horovod":
         try:
             module = importlib.import_module("tfdist.bench.allreduce_horovod")
@@ -100,7 +105,8 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
             r["stock_busbw_over_link"] = r["stock_busbw_gbps"] * 8e9 / parse_rate(link_rate)
     return {"benchmark": NAME, "backend": "tf",
             "engine": "tfdist.MultiWorkerMirroredStrategy, RING over gRPC (subdivided)",
-            "stock_engine": "TF's default ring: CollectiveReduceV2 with max_subdivs_per_device=-1", "rounds": args.rounds,
+            "stock_engine": "TF's default ring: CollectiveReduceV2 with max_subdivs_per_device=-1",
+            "rounds": args.rounds,
             "link_rate": link_rate or "loopback", "tbf_burst_bytes": burst,
             "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
             "busbw_formula": "2(N-1)/N * bytes / median time", "results": results, "machine": machine()}
@@ -113,20 +119,23 @@ def _report(record: dict) -> None:
     print(f"link: {link}")
     on_link = link != "loopback"
     print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}" + ("  busbw/link" if on_link else "")
-          + f" {'stock TF':>10s}" + (" stock/link" if on_link else "") + "  tfdist/stock (min-max of rounds)")
+          + f" {'stock TF':>10s}" + (" stock/link" if on_link else "") + "  tfdist speedup (min-max of rounds)")
     for r in record.get("results", []):
         share = f"  {r['busbw_over_link']:10.2f}" if on_link else ""
         stock_share = f" {r['stock_busbw_over_link']:10.2f}" if on_link else ""
         ratio = r["speedup_over_stock"]
         print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share} "
-              f"{r['stock_median_ms']:7.2f} ms{stock_share}  {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
+              f"{r['stock_median_ms']:7.2f} ms{stock_share}  "
+              f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
     if "tcp" in record:
         tcp = record["tcp"]
         print(f"raw TCP over the same link, both ways, {tcp['bytes'] / 2**20:g} MB: "
               f"{tcp['goodput_over_link']:.2f} x link")
 
 
-STOCK_GROUP_KEY = 987_654  # the stock engine's own collective group (MWMS numbers its groups from 1 upwards)
+# The stock engine's own collective group: above every strategy's keys (multiples of 100,000) and below
+# tfdist.comm's (from 2**30).
+STOCK_GROUP_KEY = (1 << 30) - 1
 
 
 def _worker(argv: list[str]) -> int:

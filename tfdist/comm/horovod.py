@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -48,11 +49,12 @@ def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = T
     `hvd.init()`, so they only apply to the first initialisation in a process; a different explicit value
     later raises (`fusion_threshold_mb` when `explicit`, `cycle_time_ms` whenever given).
     """
-    hvd = horovod()
     if fusion_threshold_mb is not None and fusion_threshold_mb < 0:
         raise ConfigError(f"fusion_threshold_mb must be >= 0 (0 turns fusion off), got {fusion_threshold_mb!r}.")
-    if cycle_time_ms is not None and not (isinstance(cycle_time_ms, (int, float)) and cycle_time_ms >= 0):
+    if cycle_time_ms is not None and (isinstance(cycle_time_ms, bool) or not isinstance(cycle_time_ms, (int, float))
+                                      or not math.isfinite(cycle_time_ms) or cycle_time_ms < 0):
         raise ConfigError(f"cycle_time_ms must be a number >= 0 (Horovod's default is 1 ms), got {cycle_time_ms!r}.")
+    hvd = horovod()  # after the checks: a bad value is a ConfigError even where Horovod is missing
     settings = {}  # environment variable -> (parameter, value given, wanted text, checked when initialised)
     if fusion_threshold_mb is not None:
         settings["HOROVOD_FUSION_THRESHOLD"] = ("fusion_threshold_mb", fusion_threshold_mb,
@@ -62,7 +64,7 @@ def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = T
     if hvd.is_initialized():
         for var, (name, given, wanted, checked) in settings.items():
             have = os.environ.get(var)
-            if checked and have != wanted:
+            if checked and not _same_setting(have, wanted):
                 raise ConfigError(
                     f"{name}={given}: Horovod is already initialised in this process with {var}="
                     f"{have or 'its default'}; it is fixed at hvd.init(). Create the first HorovodStrategy "
@@ -73,6 +75,14 @@ def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = T
         os.environ[var] = wanted
     hvd.init()
     return hvd
+
+
+def _same_setting(have: str | None, wanted: str) -> bool:
+    """Whether an environment value Horovod read equals ours as numbers ("1.0" from horovodrun is "1")."""
+    try:
+        return have is not None and float(have) == float(wanted)
+    except ValueError:
+        return False
 
 
 def check_options(compression: str | None, op: str) -> None:

@@ -61,8 +61,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             with the MPI controller on CPU-only hosts, where fusion's copies cost more than they save
             for big gradients; Horovod's default with Gloo, whose TCP messages are dear, and on GPUs).
         cycle_time_ms: HOROVOD_CYCLE_TIME, the pause of Horovod's background thread between negotiations
-            (None: the variable if set, else Horovod's 1 ms). Small all-reduces wait for it: 0.1 ms made a
-            1 MB all-reduce about twice as fast here (docs/horovod.md); an idle rank then wakes more often.
+            (None: the variable if set, else Horovod's 1 ms). Small all-reduces wait for it, so 0.1 makes
+            them faster; an idle rank then negotiates more often (measured in docs/horovod.md).
         op: 'average' (default; the usual data-parallel mean gradient), 'sum' or 'adasum' (MPI only).
         require_launcher: raise ConfigError when no launcher started this process (default: run as
             a one-process job).
