@@ -152,7 +152,7 @@ def _worker(argv: list[str]) -> int:
     strategy = tfdist.MultiWorkerMirroredStrategy(communication="ring", timeout_s=300)  # first: before any op
     import tensorflow as tf
 
-    from tfdist.bench.common import bus_bandwidth
+    from tfdist.bench.common import bus_bandwidth, interleaved
     from tfdist.bench.rounds import spread
 
     n = tfdist.cluster.world_size(strategy)
@@ -196,8 +196,9 @@ def _worker(argv: list[str]) -> int:
         for fn in engines.values():
             for _ in range(args.warmup):
                 fn()
-        for r in range(args.rounds):
-            for name in engines if r % 2 == 0 else reversed(list(engines)):
+
+        def timed(name: str):
+            def run() -> None:
                 times = []
                 for _ in range(args.iters):
                     start = time.perf_counter()
@@ -206,6 +207,9 @@ def _worker(argv: list[str]) -> int:
                     if got != 2 * n:  # every element sums to n
                         raise RuntimeError(f"{name} all-reduce returned {got / 2}, expected {n}")
                 seconds[name].append(times)
+            return run
+
+        interleaved({name: timed(name) for name in engines}, args.rounds)
         nbytes = count * 4
         entry = {"size_mb": size_mb, "bytes": nbytes}
         for name, rounds in seconds.items():

@@ -97,6 +97,7 @@ def _worker(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     import tfdist
+    from tfdist.bench.common import interleaved
     from tfdist.comm.horovod import horovod
 
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -147,15 +148,18 @@ def _worker(args: argparse.Namespace) -> None:
             fn()
             fn()
         per_engine = {name: [] for name in engines}
-        for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            for name in order:
+
+        def timed(name: str):
+            def run() -> None:
                 fn, count = engines[name]
                 barrier()
                 for _ in range(args.iters):
                     start = time.perf_counter()
                     fn()
                     per_engine[name].append((time.perf_counter() - start) / count)
+            return run
+
+        interleaved({name: timed(name) for name in engines}, args.rounds)
         if str(size_mb) in alone:
             per_engine["mpi4py"] = alone[str(size_mb)]
         timings[str(size_mb)] = per_engine
