@@ -27,6 +27,7 @@ def _bench(tmp_path, backend: str) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "raw TCP" in proc.stdout
     record = json.loads(path.read_text())
+    assert (tmp_path / f"{backend}.png").stat().st_size > 10_000  # the figure beside the record
     (link,) = record["links"]
     assert link["link_rate"] == RATE
     # The shaped link is a ceiling: no engine and no TCP stream moves more than the link carries (up to the
@@ -39,6 +40,7 @@ def test_tf_backend_reports_bus_bandwidth_over_link_and_raw_tcp(tmp_path):
     link = _bench(tmp_path, "tf")
     (result,) = link["results"]
     assert 0 < result["busbw_over_link"] <= 1.1 and 0 < result["stock_busbw_over_link"] <= 1.1
+    assert 0 < result["pieces_busbw_over_link"] <= 1.1
 
 
 def test_horovod_backend_runs_gloo_ranks_on_emulated_nodes(tmp_path):

@@ -9,7 +9,6 @@ from typing import Protocol
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _collective_strategy
-from tensorflow.python.distribute import collective_util as _collective_util
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import cross_device_utils as _cross_device_utils
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
@@ -17,6 +16,8 @@ from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import input_util as _input_util
 from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
 from tensorflow.python.ops import collective_ops as _collective_ops
+
+from tfdist._compat.ring import subdivide_ring
 
 __all__ = [
     "COMM_KEY_BASE", "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PlacementExtended",
@@ -279,35 +280,6 @@ class PlacementExtended(MirroredExtended):
 
 
 # --- MultiWorkerMirroredStrategy ------------------------------------------------------------------
-# TF's ring sends each member's 1/N of a tensor as one RPC unless the op may subdivide it (MWMS leaves
-# `max_subdivs_per_device` at -1); subdivided, chunks of at most 4 MB are pipelined and the link does not idle
-# while a whole share is serialised, parsed and added (docs/comm.md). TF takes the fewest subdivisions up to this.
-RING_MAX_SUBDIVS = 16
-
-
-class _SubdividedRingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
-    """MWMS's per-device collective launcher whose ring all-reduces may subdivide (RING_MAX_SUBDIVS)."""
-
-    def all_reduce(self, input_tensor, control_input=None, options=None):
-        options = self._options.merge(options)
-        if options.implementation == _collective_util.CommunicationImplementation.NCCL:
-            return super().all_reduce(input_tensor, control_input, options)
-        instance_key, ordering_token = self._next_instance_key(), self._get_ordering_token()  # TF's order
-        with tf.device(self._device), self._control_input(control_input):
-            return _collective_ops.all_reduce_v2(
-                input_tensor, self._group_size, self._group_key, instance_key,
-                communication_hint=options.implementation.value, timeout=options.timeout_seconds,
-                ordering_token=ordering_token, max_subdivs_per_device=RING_MAX_SUBDIVS)
-
-
-def _subdivide_ring(extended) -> None:
-    """Makes MWMS's launchers subdivide their ring all-reduces (they keep keys and ordering tokens)."""
-    for ops in (extended._cross_device_ops, getattr(extended, "_host_cross_device_ops", None)):
-        for launcher in getattr(ops, "_launchers", ()):
-            if type(launcher) is _cross_device_utils.CollectiveReplicaLauncher:
-                launcher.__class__ = _SubdividedRingLauncher
-
-
 class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
     """MWMS's StrategyExtended with a chosen set of local devices per worker.
 
@@ -317,15 +289,17 @@ class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):
     """
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 local_device_type: str | None = None, local_indices: tuple[int, ...] | None = None):
+                 local_device_type: str | None = None, local_indices: tuple[int, ...] | None = None,
+                 ring_piece_bytes: int | None = None):
         self._tfdist_local = (local_device_type, local_indices)
+        self._tfdist_ring_piece_bytes = ring_piece_bytes
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
-        _subdivide_ring(self)
+        subdivide_ring(self, ring_piece_bytes)
 
     def _configure(self, *args, **kwargs):  # rebuilds the cross-device ops: every worker subdivides again
         super()._configure(*args, **kwargs)
-        _subdivide_ring(self)
+        subdivide_ring(self, self._tfdist_ring_piece_bytes)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         kind, indices = self._tfdist_local

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed all-reduces per size first")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds per engine and size (tf: tfdist's ring vs TF's default ring)")
+    p.add_argument("--ring-piece-mb", type=float, default=2.0,
+                   help="tf: also time tfdist's ring with MultiWorkerMirroredStrategy(ring_piece_mb=...) (default 2)")
     p.add_argument("-n", "--num-workers", type=int, default=2, help="processes (default 2)")
     p.add_argument("--json", default="bench_allreduce.json", help="where to write the JSON record")
     p.add_argument("--link-rates", nargs="+", default=None, metavar="RATE",
@@ -45,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     args.rounds = getattr(args, "rounds", 3)
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be >= 1 (interleaved rounds per engine and size), got {args.rounds}.")
+    args.ring_piece_mb = getattr(args, "ring_piece_mb", 2.0)
+    if not args.ring_piece_mb >= 0.25:
+        raise ConfigError(f"--ring-piece-mb must be >= 0.25 (a size in MB; 2 suits 1 Gbit/s), got {args.ring_piece_mb:g}.")
     if getattr(args, "cycle_time_ms", None) is not None and args.cycle_time_ms < 0:
         raise ConfigError(f"--cycle-time-ms must be >= 0 (Horovod's default is 1), got {args.cycle_time_ms:g}.")
     if args.backend == "horovod":
@@ -73,9 +78,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         record = _run_tf(args)
         _report(record)
+    from tfdist.bench.allreduce_plot import plot, png_path
     from tfdist.bench.common import write_json
 
     write_json(args.json, record)
+    if args.json:
+        plot(record, png_path(args.json))
     return 0
 
 
@@ -87,7 +95,7 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tfdist-allreduce-") as tmp:
         result_path = os.path.join(tmp, "rank0.json")
         cmd = module_command("tfdist.bench.allreduce", worker=result_path, iters=args.iters, warmup=args.warmup,
-                             rounds=args.rounds, sizes_mb=args.sizes_mb)
+                             rounds=args.rounds, sizes_mb=args.sizes_mb, ring_piece_mb=args.ring_piece_mb)
         log = io.StringIO()
         code = run_workers(cmd, args.num_workers, launcher="tf", out=log, link_rate=link_rate)
         if code != 0 or not os.path.exists(result_path):
@@ -103,9 +111,12 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
         for r in results:  # bus bandwidth as a share of each node's link: what a ring can at most carry
             r["busbw_over_link"] = r["busbw_gbps"] * 8e9 / parse_rate(link_rate)
             r["stock_busbw_over_link"] = r["stock_busbw_gbps"] * 8e9 / parse_rate(link_rate)
+            r["pieces_busbw_over_link"] = r["pieces_busbw_gbps"] * 8e9 / parse_rate(link_rate)
     return {"benchmark": NAME, "backend": "tf",
             "engine": "tfdist.MultiWorkerMirroredStrategy, RING over gRPC (subdivided)",
             "stock_engine": "TF's default ring: CollectiveReduceV2 with max_subdivs_per_device=-1",
+            "pieces_engine": f"tfdist.MultiWorkerMirroredStrategy(ring_piece_mb={args.ring_piece_mb:g})",
+            "ring_piece_mb": args.ring_piece_mb,
             "rounds": args.rounds,
             "link_rate": link_rate or "loopback", "tbf_burst_bytes": burst,
             "num_workers": args.num_workers, "dtype": "float32", "iters": args.iters, "warmup": args.warmup,
@@ -114,19 +125,23 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
 
 def _report(record: dict) -> None:
     print(f"all-reduce, {record.get('engine', record.get('backend'))}, {record.get('num_workers')} processes, "
-          f"median of {record.get('iters')} x {record.get('rounds')} interleaved rounds; beside it TF's default ring")
+          f"median of {record.get('iters')} x {record.get('rounds')} interleaved rounds; beside it "
+          f"{record.get('pieces_engine', 'pieces')} and TF's default ring")
     link = record.get("link_rate", "loopback")
     print(f"link: {link}")
     on_link = link != "loopback"
     print(f"{'size':>8s} {'median':>10s} {'busbw':>11s}" + ("  busbw/link" if on_link else "")
+          + f" {'pieces':>10s}" + (" pieces/link" if on_link else "")
           + f" {'stock TF':>10s}" + (" stock/link" if on_link else "") + "  tfdist speedup (min-max of rounds)")
     for r in record.get("results", []):
         share = f"  {r['busbw_over_link']:10.2f}" if on_link else ""
         stock_share = f" {r['stock_busbw_over_link']:10.2f}" if on_link else ""
+        pieces_share = f" {r['pieces_busbw_over_link']:11.2f}" if on_link else ""
         ratio = r["speedup_over_stock"]
         print(f"{r['size_mb']:6g} MB {r['median_ms']:8.2f} ms {r['busbw_gbps']:7.3f} GB/s{share} "
-              f"{r['stock_median_ms']:7.2f} ms{stock_share}  "
-              f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})")
+              f"{r['pieces_median_ms']:7.2f} ms{pieces_share} {r['stock_median_ms']:7.2f} ms{stock_share}  "
+              f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}); pieces vs whole "
+              f"{r['pieces_speedup']['median']:.2f} ({r['pieces_speedup']['min']:.2f}-{r['pieces_speedup']['max']:.2f})")
     if "tcp" in record:
         tcp = record["tcp"]
         print(f"raw TCP over the same link, both ways, {tcp['bytes'] / 2**20:g} MB: "
@@ -145,6 +160,7 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--rounds", type=int, required=True)
     p.add_argument("--sizes-mb", type=float, nargs="+", required=True)
+    p.add_argument("--ring-piece-mb", type=float, required=True)
     args = p.parse_args(argv)
 
     import tfdist
@@ -152,6 +168,7 @@ def _worker(argv: list[str]) -> int:
     strategy = tfdist.MultiWorkerMirroredStrategy(communication="ring", timeout_s=300)  # first: before any op
     import tensorflow as tf
 
+    from tfdist._compat.ring import ring_pieces
     from tfdist.bench.common import bus_bandwidth, interleaved
     from tfdist.bench.rounds import spread
 
@@ -166,13 +183,12 @@ def _worker(argv: list[str]) -> int:
         with tf.device(device):
             local = tf.ones([count], tf.float32)
 
-        @tf.function
-        def allreduce():
-            def replica():
-                out = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value.read_value())
-                return out[0] + out[-1]  # a scalar to fetch: syncs on the whole result, copies nothing big
+        def replica():
+            out = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value.read_value())
+            return out[0] + out[-1]  # a scalar to fetch: syncs on the whole result, copies nothing big
 
-            return strategy.run(replica)
+        allreduce = tf.function(lambda: strategy.run(replica))
+        pieces = tf.function(lambda: strategy.run(replica))  # traced below with ring_piece_mb set
 
         @tf.function
         def stock(key):
@@ -187,11 +203,17 @@ def _worker(argv: list[str]) -> int:
         def tfdist_once() -> float:
             return strategy.experimental_local_results(allreduce())[0].numpy()
 
+        def pieces_once() -> float:
+            return strategy.experimental_local_results(pieces())[0].numpy()
+
+        with ring_pieces(strategy.extended, int(args.ring_piece_mb * 2**20)):
+            pieces.get_concrete_function()  # traced as MultiWorkerMirroredStrategy(ring_piece_mb=...) would
+
         def stock_once() -> float:
             instance[0] += 1  # the same sequence on every worker
             return stock(tf.constant(instance[0])).numpy()
 
-        engines = {"tfdist": tfdist_once, "stock": stock_once}
+        engines = {"tfdist": tfdist_once, "pieces": pieces_once, "stock": stock_once}
         seconds: dict[str, list[list[float]]] = {name: [] for name in engines}
         for fn in engines.values():
             for _ in range(args.warmup):
@@ -215,7 +237,7 @@ def _worker(argv: list[str]) -> int:
         for name, rounds in seconds.items():
             flat = [t for times in rounds for t in times]
             median = statistics.median(flat)
-            prefix = "" if name == "tfdist" else "stock_"
+            prefix = "" if name == "tfdist" else f"{name}_"
             entry.update({f"{prefix}median_ms": 1000 * median, f"{prefix}min_ms": 1000 * min(flat),
                           f"{prefix}busbw_gbps": bus_bandwidth(nbytes, median, n) / 1e9})
             if name == "tfdist":
@@ -223,9 +245,13 @@ def _worker(argv: list[str]) -> int:
         # tfdist's ring (subdivided) over TF's default, per round: how much the subdivision buys
         entry["speedup_over_stock"] = spread([statistics.median(s) / statistics.median(t)
                                               for t, s in zip(seconds["tfdist"], seconds["stock"])])
+        # ring_piece_mb over the default, per round (> 1: pieces faster)
+        entry["pieces_speedup"] = spread([statistics.median(t) / statistics.median(p)
+                                          for t, p in zip(seconds["tfdist"], seconds["pieces"])])
         results.append(entry)
         if tfdist.cluster.is_chief(strategy):
-            print(f"{size_mb:g} MB: median {entry['median_ms']:.2f} ms (stock TF {entry['stock_median_ms']:.2f} ms)",
+            print(f"{size_mb:g} MB: median {entry['median_ms']:.2f} ms (pieces {entry['pieces_median_ms']:.2f} ms, "
+                  f"stock TF {entry['stock_median_ms']:.2f} ms)",
                   flush=True)
     if tfdist.cluster.is_chief(strategy):
         with open(args.worker, "w") as f:

@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     """Launches the ranks, prints the table and ratios, writes JSON; returns the record."""
     import statistics
 
+    from tfdist.bench.allreduce_plot import plot, png_path
     from tfdist.bench.common import bus_bandwidth, machine, write_json
     from tfdist.bench.rounds import spread
 
@@ -290,6 +291,8 @@ def run(args: argparse.Namespace) -> dict:
               "iters": args.iters, "rounds": args.rounds, "results": results, "ratios": ratios,
               "target_strategy_over_horovod_16mb": TARGET_RATIO, "pass": verdict, "machine": machine()}
     write_json(args.json, record)
+    if args.json:
+        plot(record, png_path(args.json))
     return record
 
 
@@ -299,6 +302,7 @@ def run_links(args: argparse.Namespace) -> dict:
     import statistics
 
     from tfdist.bench.allreduce_tcp import tcp_both_ways
+    from tfdist.bench.allreduce_plot import plot, png_path
     from tfdist.bench.common import bus_bandwidth, machine, write_json
     from tfdist.cluster.emulated_network import parse_rate, tbf_burst_bytes
 
@@ -332,6 +336,8 @@ def run_links(args: argparse.Namespace) -> dict:
               "sizes_mb": args.sizes_mb, "iters": args.iters, "rounds": args.rounds, "links": links,
               "busbw_formula": "2(N-1)/N * bytes / median time", "machine": machine()}
     write_json(args.json, record)
+    if args.json:
+        plot(record, png_path(args.json))
     return record
 
 

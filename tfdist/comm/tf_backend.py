@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tfdist._compat import tf_runtime
-from tfdist._compat.distribute import COMM_KEY_BASE, RING_MAX_SUBDIVS
+from tfdist._compat.distribute import COMM_KEY_BASE
+from tfdist._compat.ring import RING_MAX_SUBDIVS
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
 from tfdist.comm.tf_config import MULTI_WORKER_JOBS, ClusterConfig

@@ -78,6 +78,10 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
             `register_comm_hook` compresses them. zero_stage 0 only.
         fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
+        ring_piece_mb: None (default) or a size in MB (2 suits 1 Gbit/s links): inside a tf.function, ring
+            all-reduces of at least twice this size run as a chain of all-reduces of about this size, which keeps
+            a slow link busier but costs CPU per op (slower where the ring is CPU-bound, as on fast links);
+            measured both ways in docs/comm.md.
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -117,7 +121,9 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         fsdp_unit_bytes: int | None = None,
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
+        ring_piece_mb: float | None = None,
     ):
+        ring_piece_bytes = _check_ring_piece(ring_piece_mb)
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
         check_mode(uneven_data)
@@ -151,7 +157,8 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         with startup_watchdog(self.timeout_s + 15.0, lambda: str(self._startup_error(None))):
             try:
                 extended = with_gradient_path(with_step_flags(tf_distribute.CollectiveExtended))
-                tf_distribute.init_strategy(self, lambda: extended(self, cluster_resolver, options, kind, indices))
+                tf_distribute.init_strategy(self, lambda: extended(self, cluster_resolver, options, kind, indices,
+                                                                    ring_piece_bytes))
             except (tf.errors.OpError, RuntimeError) as err:
                 raise self._startup_error(err) from None
         install_excepthook(config)
@@ -188,6 +195,15 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
     def _startup_error(self, err: Exception | None) -> Exception:
         config = self._cluster_config
         return err if config is None else startup_error(config, self.timeout_s, err)
+
+
+def _check_ring_piece(ring_piece_mb: float | None) -> int | None:
+    if ring_piece_mb is None:
+        return None
+    if isinstance(ring_piece_mb, bool) or not isinstance(ring_piece_mb, (int, float)) or not ring_piece_mb >= 0.25:
+        raise ConfigError(f"ring_piece_mb must be None (whole all-reduces) or a size in MB >= 0.25 (2 suits 1 Gbit/s "
+                          f"links), got {ring_piece_mb!r}.")
+    return int(ring_piece_mb * 2**20)
 
 
 def _rank(value) -> int | None:
