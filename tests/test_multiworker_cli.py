@@ -51,7 +51,19 @@ def test_bench_allreduce_tf_backend_writes_bus_bandwidth(tmp_path):
         # TF's default ring, interleaved in the same rounds (3 by default), is timed beside tfdist's
         assert r["stock_busbw_gbps"] == pytest.approx(r["bytes"] / (r["stock_median_ms"] / 1000) / 1e9)
         assert r["speedup_over_stock"]["rounds"] == 3 and r["speedup_over_stock"]["min"] > 0
-    assert "GB/s" in proc.stdout and "stock TF" in proc.stdout
+        # and the same ring in pieces (MultiWorkerMirroredStrategy(ring_piece_mb=2)), in the same rounds
+        assert r["pieces_busbw_gbps"] == pytest.approx(r["bytes"] / (r["pieces_median_ms"] / 1000) / 1e9)
+        assert r["pieces_speedup"]["rounds"] == 3 and r["pieces_speedup"]["min"] > 0
+    assert record["ring_piece_mb"] == 2.0
+    assert "GB/s" in proc.stdout and "stock TF" in proc.stdout and "pieces" in proc.stdout
+    assert (tmp_path / "allreduce.png").stat().st_size > 10_000
+
+
+def test_bench_allreduce_refuses_a_piece_size_below_a_quarter_mb():
+    proc = subprocess.run([*TFDIST, "bench", "allreduce", "--backend", "tf", "--ring-piece-mb", "0.1"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode != 0
+    assert "--ring-piece-mb must be >= 0.25 (a size in MB; 2 suits 1 Gbit/s), got 0.1." in proc.stderr + proc.stdout
 
 
 def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_path):

@@ -50,11 +50,11 @@ class _RingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
         options = self._options.merge(options)
         if options.implementation == _collective_util.CommunicationImplementation.NCCL:
             return super().all_reduce(input_tensor, control_input, options)
-        input_tensor = tf.convert_to_tensor(input_tensor)
-        count = input_tensor.shape.num_elements()
-        sizes = ([count] if tf.executing_eagerly() or count is None  # eagerly, each op would wait for the host
-                 else piece_sizes(count, input_tensor.dtype.size, self._tfdist_piece_bytes))
         with tf.device(self._device), self._control_input(control_input):
+            input_tensor = tf.convert_to_tensor(input_tensor)
+            count = input_tensor.shape.num_elements()
+            sizes = ([count] if tf.executing_eagerly() or count is None  # eagerly, each op would wait for the host
+                     else piece_sizes(count, input_tensor.dtype.size, self._tfdist_piece_bytes))
             if len(sizes) == 1:
                 return self._ring(input_tensor, options)
             reduced = []
