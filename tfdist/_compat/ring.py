@@ -8,8 +8,8 @@ Two settings of TF's own collective ops, applied by the launcher (the object MWM
 - pieces (`ring_piece_mb`, off by default): one ring op still ends by parsing and copying all of its chunks at
   once (they share the connection evenly, so they arrive together), with the link idle meanwhile. In a
   tf.function a large all-reduce can instead run as a chain of all-reduces of about `piece_bytes` each, whose
-  end work is one piece's. Each op costs CPU besides (about 1 ms here), so pieces pay on slow links and cost on
-  CPU-bound fast ones: measured both ways in docs/comm.md.
+  end work is one piece's. Each op costs CPU besides, so pieces pay on slow links and cost on CPU-bound fast
+  ones: measured both ways in docs/comm.md.
 """
 
 from __future__ import annotations
