@@ -58,7 +58,18 @@ if backup_dir:
 history = model.fit(dataset_fn, epochs=epochs, steps_per_epoch=60, verbose=2, callbacks=callbacks,
                     validation_data=(arrays.x_test, arrays.y_test))
 loss, accuracy = model.evaluate(arrays.x_test, arrays.y_test, verbose=0)
-dist_loss, dist_accuracy = model.evaluate(dataset_fn, steps=5, verbose=0)
+
+
+class TestGraphs(keras.callbacks.Callback):  # the scheduled test step's traced graphs, read after evaluate
+    graphs = []
+
+    def on_test_begin(self, logs=None):
+        TestGraphs.graphs = self.model.test_function.graphs
+
+
+dist_loss, dist_accuracy = model.evaluate(dataset_fn, steps=5, verbose=0, callbacks=[TestGraphs()])
+test_step_writes = sorted({op.type for g in TestGraphs.graphs for op in g.get_operations()
+                           if op.type.startswith("Assign") and op.type.endswith("VariableOp")})
 model.save(os.path.join(out_dir, "model.keras"))
 # An embedding table split over both servers: its gradient is IndexedSlices per shard, joined.
 tokens = tf.random.stateless_uniform((512, 12), seed=(1, 2), maxval=4000, dtype=tf.int32)
@@ -88,6 +99,7 @@ shards = {v.path: [s.device for s in getattr(v.value, "variables", [v.value])]
           for v in model.variables + model.optimizer.variables}
 with open(os.path.join(out_dir, "result.json"), "w") as f:
     json.dump({"test_accuracy": accuracy, "test_loss": loss, "worker_eval_accuracy": dist_accuracy,
+               "test_step_writes": test_step_writes,
                "history": history.history, "shards": shards, "errors": errors, "embedding": embedding,
                "predict": model.predict(arrays.x_test[:8], verbose=0).argmax(1).tolist()}, f)
 print("ps_job: done", flush=True)

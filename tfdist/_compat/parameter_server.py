@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 from keras.src.backend import Variable as _KerasVariable
+from keras.src.backend.common.stateless_scope import in_stateless_scope as _in_stateless_scope
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import parameter_server_strategy_v2 as _ps_v2
@@ -38,7 +39,8 @@ from tensorflow.python.framework import ops as _ops
 
 from tfdist._compat import shard_init, shard_updates
 
-__all__ = ["DataAdapter", "PSExtended", "ShardedVariable", "init_ps_strategy", "is_sharded", "sharded_gradients",
+__all__ = ["DataAdapter", "PSExtended", "ShardedVariable", "atomic_updates", "init_ps_strategy", "is_sharded",
+           "sharded_gradients",
            "sharded_value", "shards_of"]
 
 log = logging.getLogger("tfdist")
@@ -241,3 +243,50 @@ def sharded_gradients() -> Iterator[None]:
             _open -= 1
             if not _open:
                 tf.GradientTape.gradient = _stock_gradient
+
+
+# --- Atomic updates of Keras variables ----------------------------------------------------------------
+# Keras 3's Variable.assign_add is `assign(self + value)`: a read, then a write. Workers run steps at once
+# against the same variables on the servers, so two of them can read the same total and one update is lost;
+# a metric's total and count then disagree (a distributed evaluate's accuracy came out far below the model's).
+_stock_assign_add = _KerasVariable.assign_add
+_stock_assign_sub = _KerasVariable.assign_sub
+_own = {name: name in vars(_KerasVariable) for name in ("assign_add", "assign_sub")}  # else inherited
+_atomic_open = 0
+
+
+def _atomic(stock, op: str):
+    def update(self, value):
+        backend = _backend(self)
+        if _in_stateless_scope() or isinstance(backend, _sharded_variable.ShardedVariable):
+            return stock(self, value)
+        value = tf.cast(self._convert_to_tensor(value, dtype=self._dtype), backend.dtype)
+        return getattr(backend, op)(value)  # one AssignAdd/AssignSub op, on the variable's server
+
+    return update
+
+
+@contextlib.contextmanager
+def atomic_updates() -> Iterator[None]:
+    """While open, `assign_add`/`assign_sub` of Keras variables are single AssignAddVariableOp /
+    AssignSubVariableOp ops (atomic on the server that holds the variable), as tf.Variable's are.
+
+    Opened around the tracing of a tfdist worker function, like `sharded_gradients()`, and process-wide for
+    the same reason; the stock methods come back when the last block closes."""
+    global _atomic_open
+    with _lock:
+        if not _atomic_open:
+            _KerasVariable.assign_add = _atomic(_stock_assign_add, "assign_add")
+            _KerasVariable.assign_sub = _atomic(_stock_assign_sub, "assign_sub")
+        _atomic_open += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _atomic_open -= 1
+            if not _atomic_open:
+                for name, stock in (("assign_add", _stock_assign_add), ("assign_sub", _stock_assign_sub)):
+                    if _own[name]:
+                        setattr(_KerasVariable, name, stock)
+                    else:
+                        delattr(_KerasVariable, name)

@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist._compat.parameter_server import sharded_gradients
+from tfdist._compat.parameter_server import atomic_updates, sharded_gradients
 from tfdist.errors import ConfigError
 from tfdist.training import sharded_embedding
 from tfdist.training.per_worker_data import PerWorkerDataset
@@ -69,7 +69,7 @@ class ScheduledSteps:
         self.worker_fn = worker_fn
 
     def __call__(self, batches) -> dict:
-        with sharded_gradients(), _clear_errors():
+        with sharded_gradients(), atomic_updates(), _clear_errors():
             self.in_flight.append(self.coordinator.schedule(self.worker_fn, args=(batches.per_worker_iterator,)))
             self.calls += 1
             if self.calls % self.calls_per_epoch == 0:
