@@ -113,3 +113,30 @@ def test_fit_with_ring_pieces_gives_the_same_weights_as_whole_all_reduces(python
                      for size in ("0.25", "0"))
     assert pieces["weights"] == whole["weights"]
     assert whole["largest"] > 136_000 > pieces["largest"] > 0  # the 136,714 gradients went in pieces
+
+
+def test_recut_cuts_a_pack_at_piece_boundaries_without_concatenating_it_and_back():
+    # A pack of tensors (0, 1 and 70 elements, and one of 1000) cut into pieces that start inside tensors and span
+    # several, then cut back: every element in its place; a piece inside one tensor is a slice of it, not a concat.
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist._compat.ring import recut
+
+    counts = [70, 0, 1, 1000]
+    parts = [tf.constant(np.arange(c, dtype=np.float32) + 10_000 * i) for i, c in enumerate(counts)]
+    sizes = [64, 7, 500, 500]
+    pieces = recut(parts, counts, sizes)
+    assert [int(p.shape[0]) for p in pieces] == sizes
+    assert np.array_equal(np.concatenate([p.numpy() for p in pieces]), np.concatenate([p.numpy() for p in parts]))
+    back = recut(pieces, sizes, counts)
+    assert all(np.array_equal(b.numpy(), p.numpy()) for b, p in zip(back, parts))
+
+    @tf.function
+    def cut(x):
+        return recut([x], [1000], [500, 500])
+
+    ops = {op.type for op in cut.get_concrete_function(tf.TensorSpec([1000], tf.float32)).graph.get_operations()}
+    assert "ConcatV2" not in ops and "StridedSlice" in ops
+    with pytest.raises(ValueError, match="parts of 1071 elements cannot be cut into 1070"):
+        recut(parts, counts, [1070])
