@@ -37,3 +37,30 @@ def test_pipeline_bench_judges_the_median_round(tmp_path):
         assert r["rounds"] == 3 and r["min"] <= r["median"] <= r["max"]
         assert r["min"] <= result["ratio_to_ideal"] <= r["max"]  # the round shown is one of those measured
     assert "over 3 rounds" in proc.stdout and "target >= 0.9 on the median" in proc.stdout
+
+
+def test_an_all_reduce_sweep_gets_a_launch_limit_sized_to_its_bytes_and_a_timeout_is_a_clear_error(monkeypatch):
+    # The sweep `--sizes-mb 1 16 64 256 --iters 5 --rounds 5` on a 1 Gbit/s link outlived the fixed 900 s and lost
+    # every result with a traceback: the limit now grows with the bytes, and a launch that fails is a tfdist error.
+    import argparse
+
+    from tfdist.bench import allreduce_horovod, processes
+    from tfdist.errors import TfdistError
+
+    assert processes.sweep_timeout_s(0, None) == processes.TIMEOUT_S
+    one_gb = processes.sweep_timeout_s(2**30, "1gbit")
+    assert one_gb == pytest.approx(processes.TIMEOUT_S + 3 * 2**30 * 8 / 1e9)
+    assert processes.sweep_timeout_s(2**30, "100mbit") > one_gb > processes.sweep_timeout_s(2**30, "10gbit")
+
+    seen = {}
+
+    def timed_out(command, n, **kwargs):
+        seen.update(kwargs)
+        return processes.TIMED_OUT
+
+    monkeypatch.setattr(processes, "run_workers", timed_out)
+    args = argparse.Namespace(sizes_mb=[1.0, 16.0, 64.0, 256.0], iters=5, rounds=5, np=2, cycle_time_ms=None)
+    with pytest.raises(TfdistError, match=r"exit code 124 \(over its \d+ s limit, sized from --sizes-mb"):
+        allreduce_horovod._launch(args, "gloo", "unused.json", link_rate="1gbit")
+    # 12 all-reduces (3 engines, one of them a chain of 10) x 27 calls x 337 MB: far more than 900 s at 1 Gbit/s
+    assert seen["timeout_s"] > 3 * 337 * 2**20 * 8 / 1e9 * 27 * 12

@@ -8,6 +8,7 @@ time per all-reduce), the reduction of a Keras 3 fit step under `tfdist.HorovodS
 does), and mpi4py `Allreduce` on NumPy buffers beside Horovod. The oracle, `mpi4py`, is timed on the same ranks
 before Horovod starts (its background thread negotiates over MPI every cycle and slows MPI traffic beside it).
 Bus bandwidth = 2(N-1)/N x bytes / time (median of `iters` x `rounds`; each round's median gives the spread).
+A timed call fetches one element of each result; the whole results are checked after the timing.
 
 Standalone: `python -m tfdist.bench.allreduce_horovod --sizes-mb 1 16 64 --json out/allreduce_horovod.json`
 """
@@ -137,10 +138,13 @@ def _worker(args: argparse.Namespace) -> None:
         grads = [tf.fill(s, float(hvd.rank() + 1)) for s in _grad_shapes(floats)]
         send = np.full(floats, hvd.rank() + 1, np.float32)
         recv = np.empty_like(send)
+        # Each timed call fetches one element per result, enough to wait for it (as the TF benchmark does): a
+        # whole result's copy into NumPy is host memory traffic, not communication (256 MB: 0.85 vs 0.94 x a
+        # 1 Gbit/s link). The whole results are checked after the timing.
         engines = {
-            "horovod": (lambda: raw(x).numpy(), 1),
-            "horovod-step": (lambda: in_a_step(x).numpy(), STEP_CHAIN),
-            "strategy": (lambda: [g.numpy() for g in strategy_step(grads)], 1),
+            "horovod": (lambda: raw(x)[-1].numpy(), 1),
+            "horovod-step": (lambda: in_a_step(x)[-1].numpy(), STEP_CHAIN),
+            "strategy": (lambda: [g[-1].numpy() for g in strategy_step(grads)], 1),
         }
         if comm is not None:
             engines["mpi4py-beside-horovod"] = (lambda: comm.Allreduce(send, recv), 1)
@@ -199,20 +203,28 @@ def _check_results(size_mb: float, n: int, raw, strategy: list, mpi4py) -> None:
 def _launch(args: argparse.Namespace, controller: str, out: str, link_rate: str | None = None) -> dict:
     """Runs the ranks under `controller` ("mpi": mpirun; "gloo": tfdist's launcher with Horovod's Gloo
     rendezvous, on emulated nodes linked at `link_rate` if given) and returns what rank 0 wrote to `out`."""
-    from tfdist.bench.processes import module_command, run_workers
+    from tfdist.bench.processes import TIMED_OUT, module_command, run_workers, sweep_timeout_s
+    from tfdist.errors import TfdistError
 
     cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=args.sizes_mb, iters=args.iters,
                          rounds=args.rounds, json=out)
+    # Per size, each engine runs 2 warm-up calls and `iters` per round; a call of the in-a-step engine is
+    # STEP_CHAIN all-reduces, and each all-reduce sends 2(N-1)/N of the tensor over every link.
+    calls = 2 + args.iters * args.rounds
+    wire = sum(mb * 2**20 for mb in args.sizes_mb) * 2 * (args.np - 1) / args.np * calls * (STEP_CHAIN + 3)
     launcher = "mpirun" if controller == "mpi" else "horovod"
     # faulthandler: a rank that dies of a signal (issue 16: a SIGSEGV at start-up) prints its Python stacks.
     env = {"PYTHONFAULTHANDLER": "1"}
     if getattr(args, "cycle_time_ms", None) is not None:
         env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
+    timeout_s = sweep_timeout_s(wire, link_rate)
     code = run_workers(cmd, args.np, launcher=launcher, mpirun_options=["--oversubscribe"], env=env,
-                       link_rate=link_rate)
+                       link_rate=link_rate, timeout_s=timeout_s)
     if code != 0:
         signal = f" (killed by signal {code - 128}; the ranks' stacks are above)" if code > 128 else ""
-        raise RuntimeError(f"benchmark ranks failed under {launcher}: exit code {code}{signal}")
+        timed_out = (f" (over its {timeout_s:.0f} s limit, sized from --sizes-mb, --iters and --rounds)"
+                     if code == TIMED_OUT else "")
+        raise TfdistError(f"benchmark ranks failed under {launcher}: exit code {code}{signal}{timed_out}")
     with open(out) as f:
         return json.load(f)
 

@@ -19,6 +19,15 @@ TIMEOUT_S = 900.0
 TIMED_OUT = 124  # what tfdist.cluster.launcher.launch returns on a timeout
 
 
+def sweep_timeout_s(wire_bytes: float, link_rate: str | None) -> float:
+    """The time limit of a launch whose ranks send `wire_bytes` in all over each node's link: TIMEOUT_S for
+    start-up and slack, plus three times the wire time at `link_rate` (loopback: taken as 1 Gbit/s, slower than
+    it runs here), so that a long sweep is not cut off with its results."""
+    from tfdist.cluster.emulated_network import parse_rate
+
+    return TIMEOUT_S + 3.0 * wire_bytes * 8.0 / (parse_rate(link_rate) if link_rate else 1e9)
+
+
 def run_workers(command: Sequence[str], n: int, *, launcher: str = "tf", env: Mapping[str, str] | None = None,
                 mpirun_options: Sequence[str] = (), out: TextIO | None = None,
                 timeout_s: float = TIMEOUT_S, link_rate: str | None = None) -> int:
