@@ -208,8 +208,9 @@ def _launch(args: argparse.Namespace, controller: str, out: str, link_rate: str 
 
     cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=args.sizes_mb, iters=args.iters,
                          rounds=args.rounds, json=out)
-    # Per size, each engine runs 2 warm-up calls and `iters` per round; a call of the in-a-step engine is
-    # STEP_CHAIN all-reduces, and each all-reduce sends 2(N-1)/N of the tensor over every link.
+    # Per size, each engine runs 2 warm-up calls and `iters` per round: STEP_CHAIN all-reduces for the in-a-step
+    # engine, one each for raw Horovod, the strategy and mpi4py (under mpirun); each sends 2(N-1)/N of the tensor
+    # over every link.
     calls = 2 + args.iters * args.rounds
     wire = sum(mb * 2**20 for mb in args.sizes_mb) * 2 * (args.np - 1) / args.np * calls * (STEP_CHAIN + 3)
     launcher = "mpirun" if controller == "mpi" else "horovod"
