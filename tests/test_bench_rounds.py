@@ -47,10 +47,13 @@ def test_an_all_reduce_sweep_gets_a_launch_limit_sized_to_its_bytes_and_a_timeou
     from tfdist.bench import allreduce_horovod, processes
     from tfdist.errors import TfdistError
 
-    assert processes.sweep_timeout_s(0, None) == processes.TIMEOUT_S
-    one_gb = processes.sweep_timeout_s(2**30, "1gbit")
+    assert processes.sweep_timeout_s([64.0], 2, 0, None) == processes.TIMEOUT_S
+    one_gb = processes.sweep_timeout_s([512.0, 512.0], 2, 1, "1gbit")  # 2 ranks: each link carries the tensor
     assert one_gb == pytest.approx(processes.TIMEOUT_S + 3 * 2**30 * 8 / 1e9)
-    assert processes.sweep_timeout_s(2**30, "100mbit") > one_gb > processes.sweep_timeout_s(2**30, "10gbit")
+    assert processes.sweep_timeout_s([1024.0], 4, 1, "1gbit") == pytest.approx(
+        processes.TIMEOUT_S + 3 * 1.5 * 2**30 * 8 / 1e9)  # 2(n-1)/n = 1.5 at 4 ranks
+    assert (processes.sweep_timeout_s([1024.0], 2, 1, "100mbit") > one_gb
+            > processes.sweep_timeout_s([1024.0], 2, 1, "10gbit"))
 
     seen = {}
 

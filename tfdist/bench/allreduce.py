@@ -93,15 +93,14 @@ def _run_tf(args: argparse.Namespace, link_rate: str | None = None) -> dict:
     from tfdist.errors import ConfigError
 
     n = args.num_workers
-    # three engines per size, each `warmup` calls and `iters` per round; 2(N-1)/N of the tensor over every link
-    wire = sum(mb * 2**20 for mb in args.sizes_mb) * 2 * (n - 1) / n * 3 * (args.warmup + args.iters * args.rounds)
+    per_size = 3 * (args.warmup + args.iters * args.rounds)  # three engines, each `warmup` + `iters` per round
     with tempfile.TemporaryDirectory(prefix="tfdist-allreduce-") as tmp:
         result_path = os.path.join(tmp, "rank0.json")
         cmd = module_command("tfdist.bench.allreduce", worker=result_path, iters=args.iters, warmup=args.warmup,
                              rounds=args.rounds, sizes_mb=args.sizes_mb, ring_piece_mb=args.ring_piece_mb)
         log = io.StringIO()
         code = run_workers(cmd, n, launcher="tf", out=log, link_rate=link_rate,
-                           timeout_s=sweep_timeout_s(wire, link_rate))
+                           timeout_s=sweep_timeout_s(args.sizes_mb, n, per_size, link_rate))
         if code != 0 or not os.path.exists(result_path):
             raise ConfigError(f"all-reduce workers failed (exit code {code}):\n{log.getvalue()[-3000:]}")
         with open(result_path) as f:

@@ -209,16 +209,14 @@ def _launch(args: argparse.Namespace, controller: str, out: str, link_rate: str 
     cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=args.sizes_mb, iters=args.iters,
                          rounds=args.rounds, json=out)
     # Per size, each engine runs 2 warm-up calls and `iters` per round: STEP_CHAIN all-reduces for the in-a-step
-    # engine, one each for raw Horovod, the strategy and mpi4py (under mpirun); each sends 2(N-1)/N of the tensor
-    # over every link.
-    calls = 2 + args.iters * args.rounds
-    wire = sum(mb * 2**20 for mb in args.sizes_mb) * 2 * (args.np - 1) / args.np * calls * (STEP_CHAIN + 3)
+    # engine, one each for raw Horovod, the strategy and mpi4py (under mpirun).
+    per_size = (2 + args.iters * args.rounds) * (STEP_CHAIN + 3)
     launcher = "mpirun" if controller == "mpi" else "horovod"
     # faulthandler: a rank that dies of a signal (issue 16: a SIGSEGV at start-up) prints its Python stacks.
     env = {"PYTHONFAULTHANDLER": "1"}
     if getattr(args, "cycle_time_ms", None) is not None:
         env["HOROVOD_CYCLE_TIME"] = f"{args.cycle_time_ms:g}"
-    timeout_s = sweep_timeout_s(wire, link_rate)
+    timeout_s = sweep_timeout_s(args.sizes_mb, args.np, per_size, link_rate)
     code = run_workers(cmd, args.np, launcher=launcher, mpirun_options=["--oversubscribe"], env=env,
                        link_rate=link_rate, timeout_s=timeout_s)
     if code != 0:

@@ -19,12 +19,14 @@ TIMEOUT_S = 900.0
 TIMED_OUT = 124  # what tfdist.cluster.launcher.launch returns on a timeout
 
 
-def sweep_timeout_s(wire_bytes: float, link_rate: str | None) -> float:
-    """The time limit of a launch whose ranks send `wire_bytes` in all over each node's link: TIMEOUT_S for
-    start-up and slack, plus three times the wire time at `link_rate` (loopback: taken as 1 Gbit/s, slower than
-    it runs here), so that a long sweep is not cut off with its results."""
+def sweep_timeout_s(sizes_mb: Sequence[float], n: int, all_reduces_per_size: int, link_rate: str | None) -> float:
+    """The time limit of a launch whose `n` ranks run `all_reduces_per_size` ring all-reduces of each size (each
+    sends 2(n-1)/n of the tensor over every node's link): TIMEOUT_S for start-up and slack, plus three times that
+    wire time at `link_rate` (loopback: taken as 1 Gbit/s, slower than it runs here), so that a long sweep is not
+    cut off with its results."""
     from tfdist.cluster.emulated_network import parse_rate
 
+    wire_bytes = sum(mb * 2**20 for mb in sizes_mb) * 2 * (n - 1) / n * all_reduces_per_size
     return TIMEOUT_S + 3.0 * wire_bytes * 8.0 / (parse_rate(link_rate) if link_rate else 1e9)
 
 
