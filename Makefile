@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # Debian packages the suite needs (later layers append: OpenMPI, SLURM, ...). Installed when missing
 # and running as root; otherwise the target names the command to run.
 APT_PACKAGES ?=
-# SLURM (issue 7): controller, node daemon, client commands and munge for the tests on a real SLURM.
+# SLURM: controller, node daemon, client commands and munge for the tests on a real SLURM.
 APT_PACKAGES += slurm-wlm munge
 
 # Horovod (built from source by `make horovod`): OpenMPI, and the compilers/headers its build needs.
@@ -43,7 +43,7 @@ $(STAMP): setup.cfg pyproject.toml
 	    $(PYTHON) -m venv $(VENV); \
 	  else echo "python venv is missing; on Debian: sudo apt-get install python3-venv"; exit 1; fi; }
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),test]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),examples,test]"
 	@rm -f $(VENV)/.installed-*; touch $@
 
 system-deps:
@@ -79,18 +79,18 @@ bench: setup
 	$(BIN)/tfdist bench overhead --json $(OUT)/bench_overhead.json
 	$(BIN)/tfdist bench pipeline --json $(OUT)/bench_pipeline.json --png $(OUT)/bench_pipeline.png
 
-# The SLURM tests alone (issue 7): a real slurmctld + two slurmd in network namespaces; root only.
+# The SLURM tests alone: a real slurmctld + two slurmd in network namespaces; root only.
 test-slurm: setup system-deps horovod
 	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_slurm_ps.py tests/test_preemption.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
 
-# ZeRO stages 0/1/2: per-replica memory vs formula, peak RSS per stage, step-time ratios (issue 5)
+# ZeRO stages 0/1/2: per-replica memory vs formula, peak RSS per stage, step-time ratios
 bench-zero: setup
 	$(BIN)/tfdist bench zero --json $(OUT)/bench_zero.json --png $(OUT)/bench_zero.png
 
-# ZeRO stages 0/1/2 as 2 real Horovod processes: peak RSS per process vs the (N-1)/N theory, step time (issue 5)
+# ZeRO stages 0/1/2 as 2 real Horovod processes: peak RSS per process vs the (N-1)/N theory, step time
 bench-zero-horovod: setup horovod
 	$(BIN)/tfdist bench zero --processes 2 --backend horovod --json $(OUT)/bench_zero_horovod.json \
 		--png $(OUT)/bench_zero_horovod.png

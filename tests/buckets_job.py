@@ -33,7 +33,7 @@ def train() -> tuple[list[float], list[list[bool]]]:
     """Two epochs (the first while TF records where each node runs, the second under TF's profiler on rank 0): the
     final weights, and per profiled step and local device whether a collective ran during that device's backward."""
     from tfdist._compat.tf_runtime import executed_partition_devices
-    from tfdist.bench.ddp_trace import overlap_by_step, profile
+    from benchmarks.ddp_trace import overlap_by_step, profile
 
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -42,7 +42,7 @@ def train() -> tuple[list[float], list[list[bool]]]:
         model = tfdist.models.cnn(input_shape=(8, 8, 1), num_classes=2)
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
     device_of = executed_partition_devices(lambda: model.fit(data, epochs=1, verbose=0))
-    if rank != 0:  # only the collective group leader is profiled (tfdist.bench.ddp_trace.profile)
+    if rank != 0:  # only the collective group leader is profiled (benchmarks.ddp_trace.profile)
         model.fit(data, epochs=1, verbose=0)
         return np.concatenate([w.ravel() for w in model.get_weights()]).tolist(), []
     # Steps 1-3 of the 4 each rank runs (Keras counts 8: it sees the dataset before it is split between ranks).

@@ -15,6 +15,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # 8 s). Yielding when idle changes no result, only who gets the CPU; every subprocess inherits it.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+# benchmarks/ is not installed: subprocesses that import it (benchmark workers, jobs that read traces) find it
+# in this clone, whatever directory they start in.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
 import tfdist  # noqa: E402
 
 # Before any test touches TensorFlow: 4 replicas on one CPU. Tests that need another device count,

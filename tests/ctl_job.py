@@ -126,7 +126,7 @@ result["losses"] += ctl_epoch(model, optimizer)
 # Logical weights, read through the layers (under tensor parallelism get_weights lists the shards).
 result["weights"] = [np.asarray(w).tolist() for layer in model.layers for w in (layer.kernel, layer.bias)]
 result["iterations"] = int(optimizer.iterations.numpy())
-with tfdist.sharding.gathered_state(optimizer):  # every process reads (multi-process ZeRO: gathers once)
+with tfdist.zero.gathered_state(optimizer):  # every process reads (multi-process ZeRO: gathers once)
     slots = [np.asarray(v).tolist() for v in optimizer.variables if np.ndim(v) > 0]
 result["slots"] = None if kind == "tensor-parallel" else slots  # per shard there: compared through the weights
 

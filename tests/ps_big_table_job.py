@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
-from tfdist.training.sharded_embedding import lookup, sharded_table
+from tfdist.parameter_server.sharded_embedding import lookup, sharded_table
 
 out_dir, rows, dim, optimizer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 strategy = tfdist.ParameterServerStrategy(min_shard_bytes=1 << 20)  # ps and workers never return from here

@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
-from tfdist._compat import shard_init
-from tfdist.training import sharded_embedding
+from tfdist.parameter_server import _shard_init as shard_init
+from tfdist.parameter_server import sharded_embedding
 
 out_dir = sys.argv[1]
 strategy = tfdist.ParameterServerStrategy(min_shard_bytes=4096)  # ps and workers never return from here

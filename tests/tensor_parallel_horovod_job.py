@@ -8,7 +8,7 @@ The strategy picks Horovod itself (backend="auto" under the Horovod launcher). T
 (default: all). Writes OUT/rank{r}.json with, per run, the logical weights (a collective read when rows span
 ranks), the one-device reference's, the replicated variables and optimizer slots, evaluate, predict, the exchanges and
 collective ops of a traced step; the chief also writes
-OUT/mlp.keras (`tfdist.cluster.save_model` on every rank).
+OUT/mlp.keras (`tfdist.training.save_model` on every rank).
 """
 import json
 import os
@@ -26,7 +26,7 @@ strategies["transformer"] = tfdist.ModelParallelStrategy(transformer_layout(mesh
 import numpy as np
 import tensorflow as tf
 
-from tfdist.placement.tensor_parallel import collective_counts
+from tfdist.tensor_parallel import collective_counts
 from tp_job_runs import DATA, RUNS, fit, logical, traced_step_graph
 
 rank = tfdist.cluster.rank(strategies["mlp"])
@@ -67,7 +67,7 @@ for name, opt_name, optimizer in RUNS:
     if opt_name == "sgd" or name == "transformer":
         entry.update(traced_ops(strategy, split, name))
     if tag == "mlp-adam":
-        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+        entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, "mlp.keras"))
     record[tag] = entry
 # tfdist.comm next to the strategies: its groups are Horovod process sets too, some the same as the mesh's (on
 # 4 ranks, the row {0, 1} is also a send/recv pair): they are shared, not added twice.

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.placement.tensor_parallel import collective_counts
+from tfdist.tensor_parallel import collective_counts
 from tp_job_runs import DATA, RUNS, UNCLIPPED, fit, logical, traced_step_graph
 
 strategies["transformer"] = tfdist.ModelParallelStrategy(layouts["transformer"], batch_dim_name="batch", timeout_s=60)
@@ -63,7 +63,7 @@ for name, opt_name, optimizer in RUNS:
                                   if "_shard_" not in v.path]}
     if tag == "mlp-adam":
         # Every process calls it (a collective gather of the shards); the chief writes.
-        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+        entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, "mlp.keras"))
     if "clip" in opt_name:  # one device without clipping: the clipping changed the result
         entry["unclipped"] = logical(fit(name, UNCLIPPED, None)[0])
     if opt_name == "sgd" or name == "transformer":

@@ -114,7 +114,7 @@ for name, opt_name, optimizer, stage in RUNS:
              "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
              "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
              "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist()}
-    engine = tfdist.sharding.engine_of(split)
+    engine = tfdist.zero.engine_of(split)
     if engine is not None:  # ZeRO: this process's slot pieces (shape, device) and each group's local copies
         entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
         entry["groups"] = engine.group_devices
@@ -125,15 +125,15 @@ for name, opt_name, optimizer, stage in RUNS:
                            for s in plan.layers for role, vs in s.shards.items()}
         entry["slots"] = [np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables]
         # Every worker calls it, the chief writes (tfdist's saving convention); True where the file was written.
-        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, "mlp.keras"))
+        entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, "mlp.keras"))
     if stage == 3:  # this process's parameter pieces (shape, device) per logical variable, read from the variables
         entry["params"] = {p.name: {"shape": list(p.shape), "pieces": [[list(c.shape), c.device] for c in p.components]}
                            for p in engine.params}
-        with tfdist.sharding.gathered_state(split):  # every process: the Adam state (per shard), gathered once
+        with tfdist.zero.gathered_state(split):  # every process: the Adam state (per shard), gathered once
             entry["slots"] = {v.path: np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables}
         entry["ref_slots"] = {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()  # one device's, by slot name
                               for v in reference.optimizer.variables}
-        entry["wrote_keras"] = tfdist.cluster.save_model(split, os.path.join(out, f"{name}-zero3.keras"))
+        entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, f"{name}-zero3.keras"))
     record[tag] = entry
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)

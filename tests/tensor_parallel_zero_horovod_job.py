@@ -60,7 +60,7 @@ def logical(model) -> dict:
 
 def adam_state(model) -> dict:
     """The logical Adam state (m, v per logical variable, by path), as Keras reads it (gathered on every rank)."""
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     state = engine.state.gathered() if engine is not None and not engine.all_local else contextlib.nullcontext()
     with state:
         # by path without the optimizer's own name (adam, adam_1, ...)
@@ -75,8 +75,8 @@ for stage in stages:
     strategy = strategies[stage]
     model = fit(strategy)
     entry = {"weights": logical(model),
-             "wrote": tfdist.cluster.save_model(model, os.path.join(out, f"stage{stage}.keras"))}
-    engine = tfdist.sharding.engine_of(model.optimizer)
+             "wrote": tfdist.training.save_model(model, os.path.join(out, f"stage{stage}.keras"))}
+    engine = tfdist.zero.engine_of(model.optimizer)
     if engine is not None:  # ZeRO: this rank's slot pieces and each group's local copies
         entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
         entry["groups"] = engine.group_devices

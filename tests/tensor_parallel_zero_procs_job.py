@@ -40,8 +40,8 @@ for stage, strategy in strategies.items():
         weights[layer.bias.path] = np.asarray(layer.bias.numpy()).tolist()
     entry = {"weights": weights,
              "optimizer_state": [r.optimizer_state for r in strategy.memory_report(model).rows],
-             "wrote": tfdist.cluster.save_model(model, os.path.join(out, f"stage{stage}.keras"))}
-    engine = tfdist.sharding.engine_of(model)
+             "wrote": tfdist.training.save_model(model, os.path.join(out, f"stage{stage}.keras"))}
+    engine = tfdist.zero.engine_of(model)
     if engine is not None:
         entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
         entry["groups"] = engine.group_devices
@@ -50,7 +50,7 @@ for stage, strategy in strategies.items():
 # it again: OUT/reloaded.keras must hold the same state.
 with strategies[2].scope():
     reloaded = keras.saving.load_model(os.path.join(out, "stage1.keras"))
-record["reloaded_wrote"] = tfdist.cluster.save_model(reloaded, os.path.join(out, "reloaded.keras"))
+record["reloaded_wrote"] = tfdist.training.save_model(reloaded, os.path.join(out, "reloaded.keras"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print(f"rank {rank} done", flush=True)

@@ -21,12 +21,12 @@ STARTS = 10
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun")
 def test_horovod_allreduce_benchmark_starts_ten_times_under_mpirun(tmp_path):
     pytest.importorskip("horovod.tensorflow")
-    from tfdist.bench.processes import module_command, run_workers
+    from benchmarks.processes import module_command, run_workers
 
     failures = []
     for start in range(STARTS):
         out = tmp_path / f"start{start}.json"
-        cmd = module_command("tfdist.bench.allreduce_horovod", worker=True, sizes_mb=[1], iters=2, rounds=1,
+        cmd = module_command("benchmarks.allreduce_horovod", worker=True, sizes_mb=[1], iters=2, rounds=1,
                              json=str(out))
         log = io.StringIO()
         code = run_workers(cmd, 2, launcher="mpirun", mpirun_options=["--oversubscribe"], out=log,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.bench import network_scaling
-from tfdist.bench.network_scaling_job import model_for
-from tfdist.comm.powersgd import PowerSGD
+from benchmarks import network_scaling
+from benchmarks.network_scaling_job import model_for
+from tfdist.data_parallel.powersgd import PowerSGD
 from tfdist.errors import ConfigError
 
 PROBLEM = network_scaling._problem()

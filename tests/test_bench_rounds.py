@@ -1,4 +1,4 @@
-"""Benchmarks judge the median of interleaved rounds and print the spread (tfdist.bench.rounds)."""
+"""Benchmarks judge the median of interleaved rounds and print the spread (benchmarks.rounds)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tfdist.bench.rounds import MIN_ROUNDS, describe, spread
+from benchmarks.rounds import MIN_ROUNDS, describe, spread
 
 
 def test_spread_and_its_description():
@@ -44,7 +44,7 @@ def test_an_all_reduce_sweep_gets_a_launch_limit_sized_to_its_bytes_and_a_timeou
     # every result with a traceback: the limit now grows with the bytes, and a launch that fails is a tfdist error.
     import argparse
 
-    from tfdist.bench import allreduce_horovod, processes
+    from benchmarks import allreduce_horovod, processes
     from tfdist.errors import TfdistError
 
     assert processes.sweep_timeout_s([64.0], 2, 0, None) == processes.TIMEOUT_S

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tfdist.bench import straggler
+from benchmarks import straggler
 
 PROBLEM = straggler.cgroup_problem()
 needs_cgroups = pytest.mark.skipif(PROBLEM is not None, reason=f"no CPU-quota cgroups here: {PROBLEM}")

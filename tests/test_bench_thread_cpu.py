@@ -1,4 +1,4 @@
-"""tfdist.bench.thread_cpu: CPU seconds per thread group, read from /proc, add up a named pool's threads."""
+"""benchmarks.thread_cpu: CPU seconds per thread group, read from /proc, add up a named pool's threads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tfdist.bench.thread_cpu import _group, seconds_by_group, snapshot
+from benchmarks.thread_cpu import _group, seconds_by_group, snapshot
 
 SPIN_S = 0.3
 

@@ -1,4 +1,4 @@
-"""Gradient buckets (tfdist.comm.buckets): DDP's reverse-order buckets, equal results to the one-pack path, and
+"""Gradient buckets (tfdist.data_parallel.buckets): DDP's reverse-order buckets, equal results to the one-pack path, and
 overlap with the backward read from TF's profiler trace. MultiWorkerMirroredStrategy and Horovod: 2-process runs
 (tests/buckets_job.py)."""
 
@@ -16,8 +16,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist._compat.tf_runtime import executed_partition_devices
-from tfdist.bench.ddp_trace import overlap_by_step, profile
-from tfdist.comm.buckets import plan_buckets
+from benchmarks.ddp_trace import overlap_by_step, profile
+from tfdist.data_parallel.buckets import plan_buckets
 from tfdist.errors import ConfigError
 
 HERE = os.path.dirname(__file__)
@@ -119,14 +119,14 @@ def test_two_processes_bucketed_and_fp16_equal_the_plain_path_and_buckets_overla
     for key in ("plain", "bucketed", "fp16"):
         assert result[key] == other[key], f"ranks differ after training ({key})"
     # Uneven data (6 and 4 batches per rank, 'stop', 2 epochs): 8 steps on both ranks, agreed inside the first
-    # bucket's all-reduce for every step but each epoch's first (tfdist.training.uneven).
+    # bucket's all-reduce for every step but each epoch's first (tfdist.data_parallel.uneven).
     for r in (result, other):
         assert r["uneven"]["steps"] == 8 and r["uneven"]["fused"] == 6, r["uneven"]
     assert result["uneven"]["weights"] == other["uneven"]["weights"]
     if backend == "horovod":
         return  # TF's profiler records no event for Horovod's ops inside a tf.function (only eager ones)
     # From rank 0's profiler trace (steps 1-3): with one pack no gradient collective ever runs during its device's
-    # backward; with buckets one does, in some step. Only rank 0 is profiled: see tfdist.bench.ddp_trace.profile.
+    # backward; with buckets one does, in some step. Only rank 0 is profiled: see benchmarks.ddp_trace.profile.
     assert len(result["plain_overlaps"]) == len(result["bucketed_overlaps"]) == 3, result["plain_overlaps"]
     assert not any(any(step) for step in result["plain_overlaps"])
     assert any(any(step) for step in result["bucketed_overlaps"])

@@ -1,4 +1,4 @@
-"""Communication hooks (tfdist.comm.comm_hooks, tfdist.comm.powersgd) on tfdist.MirroredStrategy's 4 replicas."""
+"""Communication hooks (tfdist.data_parallel.comm_hooks, tfdist.data_parallel.powersgd) on tfdist.MirroredStrategy's 4 replicas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.comm.powersgd import PowerSGD
+from tfdist.data_parallel.powersgd import PowerSGD
 from tfdist.errors import ConfigError
 
 REPLICAS = 4

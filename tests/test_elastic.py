@@ -188,7 +188,7 @@ def test_a_silent_coordination_leader_is_named():
     import tensorflow as tf
 
     from tfdist.cluster.faults import lost_worker_error
-    from tfdist.cluster.tf_config import parse_tf_config
+    from tfdist.comm.tf_config import parse_tf_config
 
     cluster = {"worker": ["localhost:1111", "localhost:2222"]}
     text = ("{{function_node __wrapped__CollectiveReduceV2}} Collective ops is aborted by: Deadline Exceeded\n\n"

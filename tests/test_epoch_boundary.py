@@ -17,8 +17,8 @@ import tensorflow as tf
 from conftest import REPLICAS
 
 import tfdist
-from tfdist._compat import rewinding_input
-from tfdist.strategies.input_reuse import iterator_counts, total_iterator_counts
+from tfdist.data_parallel import _rewinding_input as rewinding_input
+from tfdist.data_parallel.input_reuse import iterator_counts, total_iterator_counts
 
 BATCH = 32
 

@@ -22,7 +22,7 @@ import pytest
 from tfdist.cluster import is_chief, rank, world_size
 from tfdist.cluster.backends import make_tf_configs
 from tfdist.cluster.launcher import launch
-from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
+from tfdist.comm.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 from tfdist.errors import ConfigError
 
 PY = sys.executable

@@ -1,4 +1,4 @@
-"""MemoryPhases (tfdist/bench/memory_phases.py): per-phase resident peaks read from /proc, reset at each mark.
+"""MemoryPhases (benchmarks/memory_phases.py): per-phase resident peaks read from /proc, reset at each mark.
 
 Fast and TensorFlow-free (TensorFlow's allocator columns appear only once it is imported)."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tfdist.bench.memory_phases import MemoryPhases, proc_status
+from benchmarks.memory_phases import MemoryPhases, proc_status
 
 MIB = 2**20
 

@@ -55,7 +55,7 @@ JOB = textwrap.dedent('''
             keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
-    ckpt = tfdist.cluster.ModelCheckpoint(os.path.join(out, f"ckpt-{mode}-rank{rank}.keras"), strategy=strategy)
+    ckpt = tfdist.training.ModelCheckpoint(os.path.join(out, f"ckpt-{mode}-rank{rank}.keras"), strategy=strategy)
     history = model.fit(train, epochs=3, verbose=0, callbacks=[ckpt])
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     evaluation = model.evaluate(train, verbose=0)

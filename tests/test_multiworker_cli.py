@@ -109,14 +109,14 @@ def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch
     import argparse
     import builtins
 
-    from tfdist.bench import allreduce
+    from benchmarks import allreduce
     from tfdist.errors import ConfigError
 
     real_import = builtins.__import__
 
     def no_horovod(name, *args, **kwargs):
-        if name == "tfdist.bench.allreduce_horovod":
-            raise ImportError("No module named 'tfdist.bench.allreduce_horovod'")
+        if name == "benchmarks.allreduce_horovod":
+            raise ImportError("No module named 'benchmarks.allreduce_horovod'")
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(allreduce.importlib, "import_module", lambda name: no_horovod(name))

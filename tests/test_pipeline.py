@@ -110,7 +110,7 @@ def test_batch_norm_single_micro_batch_matches_and_documented_difference():
     same = _train(bn_model, "branchy", tfdist.LayerPlacementStrategy(cpus(2)))
     assert _max_diff(reference, same) <= 1e-5
     # GPipe semantics: with micro-batches BatchNormalization normalises each micro-batch with its
-    # own statistics (documented in tfdist.placement.pipeline), so training differs measurably.
+    # own statistics (documented in tfdist.pipeline.microbatches), so training differs measurably.
     micro = _train(bn_model, "branchy", tfdist.LayerPlacementStrategy(cpus(2), micro_batches=4))
     assert _max_diff(reference, micro) > 1e-4
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.placement import block_partition, describe_model, make_plan
+from tfdist.pipeline import block_partition, describe_model, make_plan
 
 # --- models ---------------------------------------------------------------------------------
 
@@ -113,13 +113,13 @@ def test_plan_costs_and_table():
 
 
 def test_training_backward_needs_no_input_gradient_before_the_first_weights():
-    from tfdist.placement.balance import needs_input_gradients
+    from tfdist.pipeline.balance import needs_input_gradients
 
     mlp = keras.Sequential([keras.Input((6, 2)), keras.layers.Flatten(name="flat"),
                             keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
                             keras.layers.Dense(3, name="c")])
-    assert needs_input_gradients(tfdist.placement.layer_graph(mlp)) == [False, False, True, True]
-    graph = tfdist.placement.layer_graph(branchy())
+    assert needs_input_gradients(tfdist.pipeline.layer_graph(mlp)) == [False, False, True, True]
+    graph = tfdist.pipeline.layer_graph(branchy())
     flags = dict(zip([layer.name for layer, *_ in graph], needs_input_gradients(graph)))
     assert flags == {"stem": False, "left": True, "right": True, "merge": True, "deep": True, "cat": True,
                      "out": True}
@@ -202,7 +202,7 @@ def test_bad_strategy_arguments():
         model.fit(batches, epochs=1, verbose=0)
     with pytest.raises(ConfigError, match="a batch of 12 gives 12 samples"):
         model.predict(tf.data.Dataset.from_tensor_slices(x).batch(12, drop_remainder=True), verbose=0)
-    from tfdist.placement.pipeline import split_batch
+    from tfdist.pipeline.microbatches import split_batch
 
     with pytest.raises(ConfigError, match="does not divide the per-replica batch of 12"):
         split_batch(tf.zeros((12, 3)), 8)
@@ -241,7 +241,7 @@ def test_forward_backward_and_updates_run_on_stage_devices(micro_batches):
     model = compiled(small_cnn, strategy, optimizer=lambda: keras.optimizers.Adam(0.01))
     x, y = data("cnn")
     # TF's own record of the partition graphs it executed (after placement) on the first step.
-    executed = tfdist.placement.executed_devices(
+    executed = tfdist.pipeline.executed_devices(
         lambda: model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=1, verbose=0))
     plan = strategy.placement_plan()
     names = set(plan.stage_of)

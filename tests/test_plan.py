@@ -10,7 +10,7 @@ import pytest
 import tfdist
 from tfdist.cli import main
 from tfdist.cli.plan import parse_count
-from tfdist.sharding import zero_formula
+from tfdist.zero import zero_formula
 
 
 def test_parse_count():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist.comm.powersgd import PowerSGD
+from tfdist.data_parallel.powersgd import PowerSGD
 
 EPOCHS = 4
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfdist.bench import zero_cgroups
+from benchmarks import zero_cgroups
 from tfdist.cluster.launcher import launch
 
 HERE = Path(__file__).parent
@@ -114,7 +114,7 @@ def test_fill_gives_every_row_the_same_value_however_the_table_is_split(monkeypa
     import keras
     import tensorflow as tf
 
-    from tfdist._compat import shard_init
+    from tfdist.parameter_server import _shard_init as shard_init
 
     monkeypatch.setattr(shard_init, "BLOCK_BYTES", 64 * 8 * 4)  # blocks of 64 rows of 8 float32
     shape = (1000, 8)
@@ -137,8 +137,8 @@ def test_fill_gives_every_row_the_same_value_however_the_table_is_split(monkeypa
 def test_update_arguments_are_split_by_the_rows_each_shard_owns():
     import tensorflow as tf
 
-    from tfdist._compat.parameter_server import ShardedVariable
-    from tfdist._compat.shard_updates import ByShard
+    from tfdist.parameter_server._tf_sharded import ShardedVariable
+    from tfdist.parameter_server._shard_updates import ByShard
 
     var = ShardedVariable([tf.Variable(tf.zeros((3, 2))), tf.Variable(tf.zeros((2, 2)))])
     grad = tf.IndexedSlices(tf.constant([[1.0, 1], [2, 2], [3, 3], [4, 4]]), tf.constant([4, 0, 3, 0]),
@@ -169,7 +169,7 @@ def _memory_cgroups_or_skip() -> None:
 
 @contextlib.contextmanager
 def _capped_cgroups(tag: str, count: int, cap_mib: int):
-    """`count` memory cgroups PREFIX-rank0.., each capped at cap_mib (tfdist.bench.zero_cgroups.capped)."""
+    """`count` memory cgroups PREFIX-rank0.., each capped at cap_mib (benchmarks.zero_cgroups.capped)."""
     with contextlib.ExitStack() as stack:
         groups = [stack.enter_context(zero_cgroups.capped(f"{tag}-rank{rank}", cap_mib << 20))
                   for rank in range(count)]

@@ -67,7 +67,7 @@ def test_every_rank_making_the_same_reads_goes_ahead(store):
 def test_a_read_on_rank_0_alone_names_the_missing_rank_and_then_refuses_further_reads(store):
     zero, _ = ranks(store)
     with pytest.raises(ConfigError, match=r"rank\(s\) \[1\] did not make this read within 0.3 s.*every rank must "
-                                          r"take part.*tfdist.cluster.save_model"):
+                                          r"take part.*tfdist.training.save_model"):
         zero.agree("weight 'dense/kernel'")
     with pytest.raises(ConfigError, match="no longer in step: restart the job"):
         zero.agree("weight 'dense/kernel'")

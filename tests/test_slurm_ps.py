@@ -14,7 +14,7 @@ import pytest
 
 from tfdist.cluster import is_chief, rank
 from tfdist.cluster.slurm import SlurmCluster
-from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
+from tfdist.comm.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 from tfdist.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

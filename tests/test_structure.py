@@ -1,5 +1,6 @@
-"""The package's structure: private internals only in tfdist/_compat, imports only downward, no cycles,
-and plain Keras untouched by tfdist strategies."""
+"""The package's structure: private internals only in reach-in modules (tfdist/_compat and the `_name.py` modules
+of a capability package, each behind the version check), imports only downward, no cycles, and plain Keras
+untouched by tfdist strategies."""
 
 from __future__ import annotations
 
@@ -16,19 +17,27 @@ PRIVATE_MODULES = ("tensorflow.python", "keras.src", "tensorflow.compiler", "ten
 ALLOWED_PRIVATE = {("os", "_exit"), ("argparse", "_SubParsersAction")}
 
 # package -> the tfdist packages it may import (besides itself, tfdist.errors and tfdist._compat).
+# Bottom: errors, _compat, devices, comm (the communication base) and cluster (where processes come from).
+# Capabilities: one package each, over the bottom. Above them: training, then strategies; data, models, cli on top.
 BOTTOM = {"tfdist.errors", "tfdist._compat"}
+BASE = {"tfdist.devices", "tfdist.comm"}
 LAYERS = {
     "tfdist.devices": set(),
     "tfdist.comm": {"tfdist.devices"},
-    "tfdist.cluster": {"tfdist.devices", "tfdist.comm"},
-    "tfdist.sharding": {"tfdist.devices", "tfdist.comm"},
-    "tfdist.placement": {"tfdist.devices", "tfdist.comm"},
-    "tfdist.training": {"tfdist.devices", "tfdist.comm", "tfdist.cluster", "tfdist.sharding", "tfdist.placement"},
-    "tfdist.strategies": {"tfdist.devices", "tfdist.comm", "tfdist.cluster", "tfdist.sharding", "tfdist.placement",
-                          "tfdist.training"},
+    "tfdist.cluster": BASE,
+    "tfdist.data_parallel": BASE,
+    "tfdist.zero": BASE,
+    "tfdist.pipeline": BASE,
+    "tfdist.tensor_parallel": BASE | {"tfdist.pipeline"},
+    "tfdist.training": BASE | {"tfdist.cluster", "tfdist.zero"},
+    "tfdist.parameter_server": BASE | {"tfdist.cluster"},
+    "tfdist.strategies": BASE | {"tfdist.cluster", "tfdist.data_parallel", "tfdist.zero", "tfdist.pipeline",
+                                 "tfdist.tensor_parallel", "tfdist.parameter_server", "tfdist.training"},
     "tfdist.plots": set(),
 }
-TOP = ("tfdist.data", "tfdist.models", "tfdist.bench", "tfdist.cli", "tfdist")  # may import anything below
+CAPABILITIES = ("tfdist.data_parallel", "tfdist.zero", "tfdist.pipeline", "tfdist.tensor_parallel",
+                "tfdist.parameter_server")
+TOP = ("tfdist.data", "tfdist.models", "tfdist.cli", "tfdist")  # may import anything below
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -66,18 +75,41 @@ def owner(module: str) -> str | None:
     return None
 
 
-def test_private_tensorflow_and_keras_imports_live_only_in_compat():
+def reach_in(name: str) -> bool:
+    """A module allowed to reach into TF/Keras internals: tfdist/_compat, or a private `_name.py` of a package."""
+    last = name.rpartition(".")[2]
+    return name.startswith("tfdist._compat") or (last.startswith("_") and not last.startswith("__"))
+
+
+def test_private_tensorflow_and_keras_imports_live_only_in_reach_in_modules():
     bad = [f"{path.relative_to(ROOT.parent)}:{line}: {target}"
-           for name, path in modules().items() if not name.startswith("tfdist._compat")
+           for name, path in modules().items() if not reach_in(name)
            for target, line in imports_of(name, path) if target.startswith(PRIVATE_MODULES)]
-    assert not bad, "private TF/Keras imports outside tfdist/_compat:\n" + "\n".join(bad)
+    assert not bad, "private TF/Keras imports outside the reach-in modules:\n" + "\n".join(bad)
 
 
-def test_no_private_attribute_of_another_object_outside_compat():
+def test_reach_in_modules_of_capabilities_sit_behind_the_version_check_and_are_listed():
+    """A `_name.py` reach-in outside tfdist/_compat imports tfdist._compat (its version check runs first), and
+    tfdist/_compat's docstring names every reach-in module, so a TF upgrade is a known list of places."""
+    listed = importlib.import_module("tfdist._compat").__doc__
+    bad = []
+    for name, path in modules().items():
+        if not reach_in(name):
+            continue
+        if not name.startswith("tfdist._compat") and not any(
+                target == "tfdist._compat" or target.startswith("tfdist._compat.") for target, _ in imports_of(name, path)):
+            bad.append(f"{name}: does not import tfdist._compat")
+        short = name.removeprefix("tfdist.")
+        if name != "tfdist._compat" and short not in listed and short.removeprefix("_compat.") not in listed:
+            bad.append(f"{name}: not named in tfdist/_compat/__init__.py's docstring")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_attribute_of_another_object_outside_reach_in_modules():
     """`x._name` is allowed on self/cls only; getattr/setattr/hasattr with a private name string not at all."""
     bad = []
     for name, path in modules().items():
-        if name.startswith("tfdist._compat"):
+        if reach_in(name):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', '?')}"
@@ -91,17 +123,17 @@ def test_no_private_attribute_of_another_object_outside_compat():
                   and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
                   and _private(node.args[1].value)):
                 bad.append(f"{where}: {ast.unparse(node)}")
-    assert not bad, "private attributes read or written outside tfdist/_compat:\n" + "\n".join(bad)
+    assert not bad, "private attributes read or written outside the reach-in modules:\n" + "\n".join(bad)
 
 
 def _private(attr: str) -> bool:
     return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
 
 
-def test_no_private_tensorflow_or_keras_method_is_overridden_outside_compat():
+def test_no_private_tensorflow_or_keras_method_is_overridden_outside_reach_in_modules():
     bad = []
     for name in modules():
-        if name.startswith(("tfdist._compat", "tfdist.__main__")):
+        if reach_in(name) or name == "tfdist.__main__":
             continue
         module = importlib.import_module(name)
         for cls in vars(module).values():
@@ -129,6 +161,16 @@ def test_imports_point_only_downward():
             if owner(target) not in allowed:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {layer} imports {target}")
     assert not bad, "imports that point up the layers:\n" + "\n".join(bad)
+
+
+def test_benchmarks_live_outside_the_package():
+    """The wheel holds tfdist only: no tfdist module imports benchmarks/, and setup.cfg packages only tfdist."""
+    bad = [f"{path.relative_to(ROOT.parent)}:{line}: {target}" for name, path in modules().items()
+           for target, line in imports_of(name, path) if target == "benchmarks" or target.startswith("benchmarks.")]
+    assert not bad, "tfdist imports the benchmarks:\n" + "\n".join(bad)
+    setup = (ROOT.parent / "setup.cfg").read_text()
+    assert "include = tfdist, tfdist.*" in setup
+    assert (ROOT.parent / "benchmarks" / "__init__.py").is_file() and not (ROOT / "bench").exists()
 
 
 def test_no_import_cycles():
@@ -172,31 +214,33 @@ def _package_reexport(cycle: str, parents: dict[str, str]) -> bool:
     return any(parents.get(a) == b or parents.get(b) == a for a, b in zip(nodes, nodes[1:])) and len(set(nodes)) == 2
 
 
-def test_launcher_table_and_tf_config_parser_live_once_in_comm_and_load_without_tensorflow():
-    """tfdist.comm.init() and the cluster layer read the same launcher table and TF_CONFIG parser
-    (cluster re-exports comm's objects), and the launcher can load them without starting TensorFlow."""
+def test_launcher_table_and_tf_config_parser_load_without_tensorflow():
+    """The launcher table and the TF_CONFIG parser (one copy each, in tfdist.comm) load without TensorFlow, and so
+    does the cluster package the launcher uses."""
     import subprocess
     import sys
 
-    from tfdist.cluster import env, tf_config
-    from tfdist.comm import launch_env
-    from tfdist.comm import tf_config as comm_tf_config
-
-    for name in env.__all__:
-        assert getattr(env, name) is getattr(launch_env, name), name
-    for name in tf_config.__all__:
-        assert getattr(tf_config, name) is getattr(comm_tf_config, name), name
-    code = ("import sys, tfdist.cluster.env, tfdist.cluster.tf_config, tfdist.comm.launch_env, tfdist.comm.tf_config;"
+    code = ("import sys, tfdist.cluster, tfdist.comm.launch_env, tfdist.comm.tf_config;"
             "print(sorted(m for m in sys.modules if m.startswith(('tensorflow', 'keras'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+    assert not (ROOT / "cluster" / "env.py").exists() and not (ROOT / "cluster" / "tf_config.py").exists()
 
 
-def test_cluster_reexports_of_training_names_are_the_training_objects():
+def test_public_names_have_one_home():
+    """No compatibility aliases: the callbacks live in tfdist.training only, the mesh in tfdist.tensor_parallel
+    (and at the top), and one table maps strategy names to classes."""
     import tfdist
 
     for name in ("BackupAndRestore", "ModelCheckpoint", "save_model", "Preemption"):
-        assert getattr(tfdist.cluster, name) is getattr(tfdist.training, name)
+        assert not hasattr(tfdist.cluster, name), name
+        assert getattr(tfdist.training, name).__module__.startswith("tfdist.training.")
+    assert tfdist.DeviceMesh is tfdist.tensor_parallel.DeviceMesh
+    assert tfdist.LayoutMap is tfdist.tensor_parallel.LayoutMap
+    from tfdist.strategies import auto, factory
+
+    assert auto.strategy_class is factory.strategy_class
+    assert set(factory.CLASSES) | {"default"} == set(factory.strategy_names())
 
 
 @pytest.mark.slow

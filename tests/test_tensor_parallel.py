@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.placement.tensor_parallel import collective_counts
+from tfdist.tensor_parallel import collective_counts
 
 import tp_models
 from tp_models import cnn_layout, mlp_layout, transformer_layout  # noqa: F401 (other tests import them from here)
@@ -241,7 +241,7 @@ def test_each_shard_computes_on_its_device_forward_and_backward():
         model = mlp()
     step = sgd_step(strategy, model)
     x, y = data(16)
-    where = tfdist.placement.executed_devices(lambda: step(tf.constant(x), tf.constant(y)))
+    where = tfdist.pipeline.executed_devices(lambda: step(tf.constant(x), tf.constant(y)))
     on_second = {name for name, devices in where.items() if any(d.endswith("CPU:1") for d in devices)}
     for layer in ("up1", "down1", "up2", "down2"):
         ops = [name for name in on_second if re.search(rf"(^|/){layer}(_\d+)?/", name)]

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.placement.tensor_parallel import collective_bytes, collective_counts
+from tfdist.tensor_parallel import collective_bytes, collective_counts
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
 

@@ -228,7 +228,7 @@ def test_a_bad_backend_is_a_config_error_naming_it():
                                                    "task": {"type": "worker", "index": 1}})}, "tf"),
 ])
 def test_auto_picks_horovod_under_a_horovod_or_mpi_launcher(env, expected):
-    from tfdist.strategies.model_parallel_horovod import choose_backend
+    from tfdist.strategies.model_parallel.horovod import choose_backend
 
     assert choose_backend("auto", env) == expected
     assert choose_backend("tf", env) == "tf" and choose_backend("horovod", env) == "horovod"

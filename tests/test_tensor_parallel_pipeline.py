@@ -21,7 +21,7 @@ import tensorflow as tf
 import tfdist
 from tfdist._compat import keras_model
 from tfdist.errors import ConfigError
-from tfdist.placement.tensor_parallel import collective_counts
+from tfdist.tensor_parallel import collective_counts
 from test_tensor_parallel import cnn_layout, data, mlp, mlp_layout, sgd_step, transformer_block, transformer_layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -126,7 +126,7 @@ def plain_keras(path) -> dict:
 @pytest.fixture(scope="module")
 def zero3_job(tmp_path_factory):
     """2 processes x 2 devices, mesh 2 x 2 (one row per process): the MLP and the Transformer block with Adam for 20
-    steps at zero_stage=0 and 3; each ZeRO-3 model saved by `tfdist.cluster.save_model` on both processes."""
+    steps at zero_stage=0 and 3; each ZeRO-3 model saved by `tfdist.training.save_model` on both processes."""
     out = tmp_path_factory.mktemp("tp_zero3")
     log = io.StringIO()
     tags = [f"{m}-adam20{z}" for m in ZERO3_MODELS for z in ("", "-zero3")]

@@ -127,7 +127,7 @@ def test_weight_decay_ema_and_a_custom_training_loop_equal_one_device():
 
     one, _ = run(tf.distribute.get_strategy())
     model, optimizer = run(strategy_for(zero_stage=1))
-    assert isinstance(tfdist.sharding.engine_of(optimizer), tfdist.sharding.GroupedZeroEngine)
+    assert isinstance(tfdist.zero.engine_of(optimizer), tfdist.zero.GroupedZeroEngine)
     assert_close(logical_weights(one), logical_weights(model), 1e-4)
 
 
@@ -172,7 +172,7 @@ def test_four_rows_stage_1_sums_as_stage_0_and_stage_2_reduce_scatters():
         strategy = strategy_for((4, 1), zero_stage=stage)
         model = fit(strategy, optimizer)
         assert_close(zero, logical_weights(model), 1e-4)
-        engine = tfdist.sharding.engine_of(model)
+        engine = tfdist.zero.engine_of(model)
         assert engine.engines[0].reduce_scatters == (stage == 2)
         assert [len(devices) for devices in engine.group_devices] == [4]
 
@@ -208,7 +208,7 @@ def test_pipeline_stages_on_a_2x2x1_mesh_equal_stage_0():
         pipelined = strategy(stage)
         model = fit(pipelined, optimizer)
         assert_close(zero, logical_weights(model), 1e-4)
-        engine = tfdist.sharding.engine_of(model)
+        engine = tfdist.zero.engine_of(model)
         columns = [[row[s][0] for row in pipelined.stage_groups] for s in range(2)]  # each stage's devices
         assert sorted(tuple(d.rsplit("/", 1)[-1] for d in g) for g in engine.group_devices) == \
             sorted(tuple(d.rsplit("/", 1)[-1] for d in c) for c in columns)
@@ -218,8 +218,8 @@ def test_pipeline_stages_on_a_2x2x1_mesh_equal_stage_0():
 def test_slot_pieces_live_on_each_rows_copy_of_their_variable():
     strategy = strategy_for(zero_stage=1)
     model = fit(strategy, OPTIMIZERS["adam"][0], epochs=1)
-    engine = tfdist.sharding.engine_of(model)
-    assert isinstance(engine, tfdist.sharding.GroupedZeroEngine) and engine.stage == 1
+    engine = tfdist.zero.engine_of(model)
+    assert isinstance(engine, tfdist.zero.GroupedZeroEngine) and engine.stage == 1
     rows = strategy.mesh_rows
     canon = lambda d: d.rsplit("/", 1)[-1]  # noqa: E731  ("device:CPU:2", however the name is spelled)
     # one group per model-axis position: its variables' copies in row r sit on rows[r][k]
@@ -315,7 +315,7 @@ def test_tf_checkpoint_holds_the_logical_state_and_restores_across_stages(tmp_pa
 def scalar_bytes(model) -> dict[str, int]:
     """Bytes of the optimizers' scalars (iterations, learning rate; ZeRO's shard optimizers' too) per device."""
     variables = list(model.optimizer.variables)
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     if engine is not None:
         variables += engine.state_variables
     out: dict[str, int] = {}
@@ -372,7 +372,7 @@ def test_2x4_4x2_and_2x2x2_meshes_on_8_devices_equal_stage_0(python):
                 model = mlp()
                 model.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
             model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-            return logical_weights(model), tfdist.sharding.engine_of(model)
+            return logical_weights(model), tfdist.zero.engine_of(model)
         for shape in ((2, 4), (4, 2), (2, 2, 2)):
             zero, _ = fit(shape, 0)
             for stage in (1, 2):

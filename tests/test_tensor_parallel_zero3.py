@@ -63,8 +63,8 @@ def test_mlp_equals_stage_0_and_one_device_with_each_row_holding_one_piece(shape
     assert_close(weights("mlp", None), sharded, 1e-4)
     start = logical_weights(mlp())
     assert max(np.abs(start[k] - sharded[k]).max() for k in start) > 1e-2  # 20 steps did train
-    engine = tfdist.sharding.engine_of(model)
-    assert isinstance(engine, tfdist.sharding.GroupedZero3Engine) and engine.stage == 3
+    engine = tfdist.zero.engine_of(model)
+    assert isinstance(engine, tfdist.zero.GroupedZero3Engine) and engine.stage == 3
     rows = shape[0]
     # every trainable variable's storage: R pieces, piece r on row r's device of its column (the row's first
     # device for replicated variables); nothing holds the whole variable
@@ -99,7 +99,7 @@ def test_transformer_block_on_2x2_equals_stage_0_and_one_device():
     sharded = weights("transformer", (2, 2), 3, drop=drop)
     assert_close(weights("transformer", (2, 2), 0, drop=drop), sharded, 1e-4)
     assert_close(weights("transformer", None, drop=drop), sharded, 1e-4)
-    engine = tfdist.sharding.engine_of(trained("transformer", (2, 2), 3)[1])
+    engine = tfdist.zero.engine_of(trained("transformer", (2, 2), 3)[1])
     # the attention is one unit (its query, key and value projections compute together); its weights sit in both
     # column groups, each gathered over its own two rows
     assert [u.name for u in engine.units] == ["mha", "ln1", "ff_up", "ff_down", "ln2", "out"]
@@ -130,7 +130,7 @@ def test_data_by_pipeline_by_model_2x2x2_on_8_devices_equals_stage_0_and_one_dev
         got = logical_weights(model)
         print("RESULT", max(float(np.abs(zero[k] - got[k]).max() / max(np.abs(zero[k]).max(), 1e-3)) for k in zero),
               max(float(np.abs(one[k] - got[k]).max() / max(np.abs(one[k]).max(), 1e-3)) for k in one))
-        engine = tfdist.sharding.engine_of(model)
+        engine = tfdist.zero.engine_of(model)
         groups = sorted(tuple(int(d.rsplit(":", 1)[1]) for d in g) for g in engine.group_devices)
         print("GROUPS", groups, sorted({len(p.components) for p in engine.params}))
     """)
@@ -158,7 +158,7 @@ def test_each_device_holds_one_rth_of_stage_0s_parameters_gradients_and_optimize
     assert after.replicated == before.replicated  # the logical model and state are unchanged
     # read from the variables themselves: the pieces on each device add up to its report
     held: dict[tuple, int] = {}
-    for param in tfdist.sharding.engine_of(sharded).params:
+    for param in tfdist.zero.engine_of(sharded).params:
         for c in param.components:
             held[_key(c.device)] = held.get(_key(c.device), 0) + int(np.prod(c.shape)) * 4
     assert {_key(r.device): r.params for r in after.rows} == held
@@ -222,7 +222,7 @@ def test_fsdp_options_equal_one_device_and_take_effect(monkeypatch, options, uni
     """Each option trains as one device (Adam, 20 steps), and does what it says in the traced step: the units (one
     merged unit), the all-gather merge_calls of every unit (forward + backward, or forward only when the gathered
     weights are kept), and how many gathers wait for the previous unit's inputs instead of their own (prefetch)."""
-    from tfdist.sharding.fsdp_unit import FsdpUnit
+    from tfdist.zero.fsdp.unit import FsdpUnit
 
     gathered, waits = [], []
     merge_gather, issue_after = FsdpUnit._merge_gather, FsdpUnit._issue_after
@@ -240,7 +240,7 @@ def test_fsdp_options_equal_one_device_and_take_effect(monkeypatch, options, uni
     monkeypatch.setattr(FsdpUnit, "_issue_after", recorded_issue_after)
     model = fit(_zero3_strategy(**options), ADAM)
     assert_close(weights("mlp", None), logical_weights(model), 1e-4)
-    assert [u.name for u in tfdist.sharding.engine_of(model).units] == (units or [model.name])
+    assert [u.name for u in tfdist.zero.engine_of(model).units] == (units or [model.name])
     assert len(gathered) == gathers, gathered  # fit traces its step once (64 samples, batch 16)
     assert sum(waits) == prefetched, waits
 

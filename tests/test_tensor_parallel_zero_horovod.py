@@ -130,8 +130,8 @@ def test_the_chiefs_keras_files_load_in_plain_keras_with_the_logical_adam_state(
 
 
 def test_zero_with_rows_spanning_horovod_ranks_is_refused_naming_zero_stage():
-    from tfdist.cluster.tf_config import ClusterConfig
-    from tfdist.strategies.model_parallel_procs import ProcessRows, check_process_options
+    from tfdist.comm.tf_config import ClusterConfig
+    from tfdist.strategies.model_parallel.processes import ProcessRows, check_process_options
 
     whole = ProcessRows(ClusterConfig({"worker": ["a", "b"]}, "worker", 0), 0, 2, [["/device:CPU:0"]], 0, 1)
     for stage in (1, 2, 3):

@@ -9,8 +9,8 @@ import pytest
 
 from tfdist.cluster import is_chief, rank, world_size
 from tfdist.cluster.backends import TFConfigBackend, make_tf_configs
-from tfdist.cluster.env import LOCAL_DEVICES_ENV
-from tfdist.cluster.tf_config import parse_tf_config
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV
+from tfdist.comm.tf_config import parse_tf_config
 from tfdist.errors import ConfigError
 
 TWO = {"cluster": {"worker": ["localhost:2222", "localhost:2223"]}, "task": {"type": "worker", "index": 1}}

@@ -78,7 +78,7 @@ def reference(mode: str, m: int = 1) -> dict:
 def test_lookahead_tells_each_element_what_follows():
     import tensorflow as tf
 
-    from tfdist.training.lookahead import with_lookahead
+    from tfdist.data_parallel.uneven_lookahead import with_lookahead
 
     batches = tf.data.Dataset.range(7).batch(3)  # 3, 3, 1 rows
     one = list(with_lookahead(batches, 1).as_numpy_iterator())
@@ -98,7 +98,7 @@ def test_lookahead_tells_each_element_what_follows():
 
 def test_agreed_steps_and_the_option():
     from tfdist.errors import ConfigError
-    from tfdist.training.uneven import INFINITE, UNKNOWN, agreed_steps, check_mode
+    from tfdist.data_parallel.uneven import INFINITE, UNKNOWN, agreed_steps, check_mode
 
     assert agreed_steps([5, 4], "stop") == 4 and agreed_steps([5, 4], "join") == 5
     assert agreed_steps([INFINITE, 4], "stop") == 4 and agreed_steps([INFINITE, 4], "join") == INFINITE

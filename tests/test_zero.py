@@ -61,7 +61,7 @@ def test_zero1_on_two_replicas_reduce_scatters_and_still_equals_stage0(offload):
     # with two replicas a reduce-scatter adds the same two numbers as the all-reduce: stage 1 takes it
     _, m0 = train(0, replicas=2, steps=8)
     strategy, m1 = train(1, replicas=2, steps=8, offload=offload)
-    assert tfdist.sharding.engine_of(m1.optimizer).reduce_scatters
+    assert tfdist.zero.engine_of(m1.optimizer).reduce_scatters
     for a, b in zip(m0.get_weights(), m1.get_weights()):
         np.testing.assert_array_equal(a, b)
     for v0, v1 in zip(m0.optimizer.variables, m1.optimizer.variables):
@@ -73,7 +73,7 @@ def test_zero1_on_two_replicas_reduce_scatters_and_still_equals_stage0(offload):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_slots_live_only_on_their_owner(adam_runs, stage):
     strategy, model = adam_runs[stage]
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     devices = [tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices]
     n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     shard = -(-n_params // 4)
@@ -138,7 +138,7 @@ def test_optimizers_zero1_and_zero2_match_stage0(name):
 
 
 @pytest.mark.parametrize("clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.001}])
-@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 0: tfdist.sharding.summed_update (stock Keras clips per replica)
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 0: tfdist.zero.stage0_update (stock Keras clips per replica)
 def test_clipping_uses_the_global_gradient(clip, stage):
     # Reference: one device, same global batch: Keras clips the full (global) gradient there.
     tf.keras.utils.set_random_seed(0)
@@ -159,7 +159,7 @@ def test_mixed_precision_policy(policy):
     assert runs[1].layers[0].compute_dtype == policy.split("_")[1]
     optimizer = runs[2].optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    assert tfdist.sharding.engine_of(inner).stage == 2 and int(optimizer.iterations.numpy()) == 4
+    assert tfdist.zero.engine_of(inner).stage == 2 and int(optimizer.iterations.numpy()) == 4
     assert max_rel(runs[0].get_weights(), runs[1].get_weights()) == 0.0
     assert max_rel(runs[0].get_weights(), runs[2].get_weights()) < 1e-4
     assert max_rel(runs[0].get_weights(), small_cnn().get_weights()) > 1e-3  # it trained
@@ -171,7 +171,7 @@ def test_offload_matches_and_places_state_on_host():
         model = small_cnn()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(X, Y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     host = tf.DeviceSpec.from_string(engine.config.host_device).to_string()
     assert all(tf.DeviceSpec.from_string(v.value.device).to_string() == host for v in engine.state.slots["momentum"])
     _, ref = train(2, lambda: keras.optimizers.Adam(), steps=4)
@@ -214,7 +214,7 @@ def test_optimizer_built_outside_the_scope_is_sharded_too():
         assert BaseOptimizer.__dict__["build"] is not stock  # the hook is open inside the scope
     assert BaseOptimizer.__dict__["build"] is stock
     model.optimizer.build(model.trainable_variables)
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     assert engine is not None and engine.stage == 1 and engine.layout.num_shards == 4
 
 
@@ -291,7 +291,7 @@ def test_apply_gradients_on_tf_variables_in_a_custom_loop(stage):
 
         for _ in range(5):
             step(x)
-        return [w.numpy(), b.numpy()], tfdist.sharding.engine_of(optimizer)
+        return [w.numpy(), b.numpy()], tfdist.zero.engine_of(optimizer)
 
     (ref, _), (got, engine) = run(0), run(stage)
     assert engine is not None and engine.stage == stage
@@ -320,7 +320,7 @@ def test_gradient_accumulation_accumulates_the_reduced_shard(stage):
     strategy, model = train(stage, opt, steps=12, batch=64)
     assert int(model.optimizer.iterations.numpy()) == 6  # updates, as Keras counts them
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     accumulators = engine.state.shards("gradient_accumulator")
     # the accumulator is 1/N of the model per replica, each on its owner, and empty after an update
     assert [tuple(a.shape) for a in accumulators] == [(engine.layout.shard_size,)] * 4
@@ -346,5 +346,5 @@ def test_ema_keeps_each_owner_average_of_its_shard(stage):
     assert max_rel(_slots(ref.optimizer, "average"), _slots(model.optimizer, "average")) < 1e-4
     if stage == 0:
         return
-    engine = tfdist.sharding.engine_of(model.optimizer)
+    engine = tfdist.zero.engine_of(model.optimizer)
     assert [tuple(a.shape) for a in engine.state.shards("average")] == [(engine.layout.shard_size,)] * 4

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.sharding import FsdpParam
+from tfdist.zero import FsdpParam
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(256, 8)).astype("float32")
@@ -167,7 +167,7 @@ def test_offload_keeps_the_optimizer_shards_and_update_on_the_host_and_equals_st
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
     assert max_rel(state(ref), state(model)) < 1e-4
     canon = lambda d: tf.DeviceSpec.from_string(d).to_string()  # noqa: E731
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     host, devices = canon(engine.config.host_device), [canon(d) for d in strategy.extended.worker_devices]
     assert all(canon(v.value.device) == host for name in engine.state.names for v in engine.state.slots[name])
     assert all(canon(s.value.device) == host for s in engine.shard_params)  # where the update reads and writes
@@ -390,9 +390,9 @@ def test_fsdp_unit_bytes_groups_layers_into_units_and_still_equals_stage0(unit_b
     _, ref = make(0, blocks)
     ref_loss = fit(ref)
     strategy, model = make(3, blocks)
-    tfdist.sharding.configure_stage3(strategy, unit_bytes=unit_bytes)
+    tfdist.zero.configure_stage3(strategy, unit_bytes=unit_bytes)
     loss = fit(model)
-    assert [u.layer.name for u in tfdist.sharding.engine_of(model).units] == units
+    assert [u.layer.name for u in tfdist.zero.engine_of(model).units] == units
     assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-4
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
 
@@ -402,7 +402,7 @@ def test_prefetch_and_keeping_gathered_weights_give_the_same_numbers(options):
     _, ref = make(3, blocks)
     ref_loss = fit(ref, epochs=2)
     strategy, model = make(3, blocks)
-    tfdist.sharding.configure_stage3(strategy, **options)
+    tfdist.zero.configure_stage3(strategy, **options)
     assert max_rel([np.array(ref_loss)], [np.array(fit(model, epochs=2))]) < 1e-6
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-6
 
@@ -411,12 +411,12 @@ def test_prefetch_and_keeping_gathered_weights_give_the_same_numbers(options):
 def test_fsdp_unit_bytes_must_be_a_positive_int(bad):
     strategy = tfdist.MirroredStrategy(zero_stage=3)
     with pytest.raises(ConfigError, match="fsdp_unit_bytes must be a positive number of bytes"):
-        tfdist.sharding.configure_stage3(strategy, unit_bytes=bad)
+        tfdist.zero.configure_stage3(strategy, unit_bytes=bad)
 
 
 def test_fsdp_unit_bytes_needs_stage3():
     with pytest.raises(ConfigError, match="needs zero_stage=3"):
-        tfdist.sharding.configure_stage3(tfdist.MirroredStrategy(zero_stage=2), unit_bytes=4096)
+        tfdist.zero.configure_stage3(tfdist.MirroredStrategy(zero_stage=2), unit_bytes=4096)
 
 
 # --- memory during a step, from TF's allocator --------------------------------------------------------------
@@ -481,7 +481,7 @@ def test_run_eagerly_equals_stage0():
 
 def test_stage3_formula_and_report_text(runs):
     psi, n = 1_000_000, 4
-    f = tfdist.sharding.zero_formula(psi, n, 3)
+    f = tfdist.zero.zero_formula(psi, n, 3)
     assert f["params"] == 4 * psi / n and f["gradients"] == 4 * psi / n and f["total"] == 16 * psi / n
     strategy, model, _ = runs["cnn", 3]
     text = str(strategy.memory_report(model))

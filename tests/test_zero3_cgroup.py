@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tfdist.bench.zero_cgroups import capped, join_command, unavailable
-from tfdist.bench.zero_cgroups import usage as group_usage
+from benchmarks.zero_cgroups import capped, join_command, unavailable
+from benchmarks.zero_cgroups import usage as group_usage
 
 JOB = Path(__file__).with_name("zero3_cgroup_job.py")
 WIDTH, DEPTH, STEPS = 2048, 8, 3  # Psi = 33.6 M: 16 Psi = 537 MB at stage 3, 64 Psi = 2.1 GB at stage 0

@@ -1,7 +1,7 @@
 """The proof across processes: N = 2 and N = 4 MultiWorkerMirroredStrategy workers (one device each), each inside
 its own memory-capped cgroup (v1, as root). The cap is stage 3's own measured per-worker peak + 15 %:
 stages 0, 1 and 2 are OOM-killed under it, stage 3 trains, and its loss after K steps equals an uncapped
-stage-0 run. The runs are `tfdist bench zero-capacity` trials (tfdist/bench/zero_capacity.py)."""
+stage-0 run. The runs are `tfdist bench zero-capacity` trials (benchmarks/zero_capacity.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tfdist.bench.zero_capacity import trial
-from tfdist.bench.zero_cgroups import unavailable
+from benchmarks.zero_capacity import trial
+from benchmarks.zero_cgroups import unavailable
 
 # Psi = 6 * 3072^2 + ... = 56.6 M. Measured per process (2026-11-24), uncapped: stage 0 ~2.2 GB; stage 3 ~1.6 GB
 # at N = 2, ~1.1 GB at N = 4. About 4 min (N = 2) and 2.5 min (N = 4) on this 2-core box.
@@ -51,11 +51,11 @@ def test_across_processes_only_stage3_trains_under_a_per_process_cap_and_equals_
 
 
 def test_capacity_bisection_finds_the_widest_width_and_retries_non_memory_failures(monkeypatch):
-    """The search of `tfdist bench zero-capacity` (tfdist/bench/zero_capacity.py), with trials that say whether a
+    """The search of `tfdist bench zero-capacity` (benchmarks/zero_capacity.py), with trials that say whether a
     width fits by a rule instead of starting processes; one start-up failure (no OOM kill) is retried."""
     import argparse
 
-    from tfdist.bench import zero_capacity
+    from benchmarks import zero_capacity
 
     tried, flaky = [], {2048}
 

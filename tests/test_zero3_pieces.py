@@ -55,7 +55,7 @@ def _slots(optimizer, name: str) -> list[np.ndarray]:
 @pytest.mark.parametrize("offload", [False, True])
 def test_each_slot_piece_is_shaped_and_placed_like_its_parameter_piece(offload):
     strategy, model = train(3, offload=offload, steps=4)
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     state = engine.state
     assert state.names == ["momentum", "velocity"]
     assert engine.shard_params == []  # no flat parameter-shard buffer at stage 3
@@ -86,7 +86,7 @@ def test_each_slot_piece_is_shaped_and_placed_like_its_parameter_piece(offload):
 
 def test_slot_reads_and_writes_go_through_the_pieces():
     _, model = train(3, steps=4)
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     state, layout = engine.state, engine.layout
     for j, v in enumerate(model.trainable_variables):
         pieces = [state.piece_variables("momentum", i)[j].numpy() for i in range(4)]
@@ -135,7 +135,7 @@ def _step_tensor_sizes(stage: int) -> tuple[list[int], object]:
         for t in op.outputs:
             if t.shape.is_fully_defined():
                 sizes.append(int(np.prod(t.shape.as_list(), dtype=np.int64)))
-    return sizes, tfdist.sharding.engine_of(optimizer)
+    return sizes, tfdist.zero.engine_of(optimizer)
 
 
 def test_a_stage3_step_builds_no_flat_gradient_or_parameter_shard():
@@ -194,7 +194,7 @@ def test_gradient_accumulation_accumulates_each_gradient_piece():
     strategy, model = train(3, opt, steps=12)
     assert int(model.optimizer.iterations.numpy()) == 6  # updates, as Keras counts them
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     accumulators = [engine.state.piece_variables("gradient_accumulator", i) for i in range(4)]
     for i, device in enumerate(strategy.extended.worker_devices):
         assert [tuple(a.shape) for a in accumulators[i]] == [tuple(p.components[i].shape) for p in engine.params]
@@ -213,6 +213,6 @@ def test_ema_keeps_the_average_of_each_piece():
     # fit ends by writing the averages into the model; the overwrite every 7 steps changes the trajectory
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-4
     assert max_rel(_slots(ref.optimizer, "average"), _slots(model.optimizer, "average")) < 1e-4
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     assert [tuple(a.shape) for a in engine.state.piece_variables("average", 1)] == \
         [tuple(p.components[1].shape) for p in engine.params]

@@ -121,7 +121,7 @@ def test_rank0_only_save_is_refused_clearly(run):
     _, records = run
     for stage in ("1", "2"):
         message = records[0]["stages"][stage]["rank0_only_save"]
-        assert "every rank must take part" in message and "tfdist.cluster.save_model" in message
+        assert "every rank must take part" in message and "tfdist.training.save_model" in message
         # agreed through the rendezvous store: rank 1 never made the read, named after save_timeout_s
         assert "rank(s) [1] did not make this read within 5 s" in message, message
 
@@ -209,7 +209,7 @@ def test_bad_input_gives_config_errors(python):
 
 def test_stage0_clips_the_summed_gradient_and_runs_keras_ema_as_one_device(tmp_path):
     # Stock Keras clips each rank's own gradient before the all-reduce and cannot run its EMA overwrite over
-    # merge_call replicas; stage 0 takes ZeRO's order (tfdist.sharding.summed_update).
+    # merge_call replicas; stage 0 takes ZeRO's order (tfdist.zero.stage0_update).
     code, log = launch([sys.executable, os.path.join(HERE, "stage0_clip_worker.py"), str(tmp_path)])
     assert code == 0, log[-3000:]
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]

@@ -194,7 +194,7 @@ def test_checkpoints_hold_the_full_logical_state_and_load_in_plain_keras(runs):
         if not stage:
             continue
         reference = data[tag.replace(f"-s{stage}", "-s0"), 0]
-        for suffix in ("", "-saved"):  # tfdist.cluster.ModelCheckpoint, tfdist.cluster.save_model
+        for suffix in ("", "-saved"):  # tfdist.training.ModelCheckpoint, tfdist.training.save_model
             loaded = plain[str(out / f"{tag}{suffix}.keras")]
             assert loaded["optimizer"] == "Adam"
             slots = [np.asarray(s) for s in loaded["slots"]]
@@ -252,7 +252,7 @@ def test_a_save_without_the_other_workers_fails_clearly_instead_of_hanging(tmp_p
     script.write_text(CHIEF_ONLY_SAVE)
     log = _launch(script, 2, 1, str(tmp_path))
     assert "[0] CONFIG ERROR ZeRO all-gather across workers timed out (timeout_s=8.0)" in log, log[-3000:]
-    assert "tfdist.cluster.ModelCheckpoint / BackupAndRestore / save_model" in log
+    assert "tfdist.training.ModelCheckpoint / BackupAndRestore / save_model" in log
 
 
 @pytest.mark.slow

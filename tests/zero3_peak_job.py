@@ -27,7 +27,7 @@ if __name__ == "__main__":
     strategy = tfdist.MirroredStrategy(zero_stage=stage)
     keep = sys.argv[2:] == ["keep"]
     if keep:
-        tfdist.sharding.configure_stage3(strategy, reshard_after_forward=False)
+        tfdist.zero.configure_stage3(strategy, reshard_after_forward=False)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((WIDTH,)),
@@ -42,8 +42,8 @@ if __name__ == "__main__":
     loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history["loss"][-1]
     info = tf.config.experimental.get_memory_info("CPU:0")
     num_params = sum(math.prod(v.shape) for v in model.trainable_variables)
-    engine = tfdist.sharding.engine_of(model)
+    engine = tfdist.zero.engine_of(model)
     units = sorted((u.gathered_bytes for u in getattr(engine, "units", ())), reverse=True)
     print(json.dumps({"stage": stage, "keep": keep, "held": held, "peak": info["peak"], "num_params": num_params,
                       "largest_units": units[:2], "loss": float(loss),
-                      "formula": tfdist.sharding.zero_formula(num_params, REPLICAS, stage)["total"]}))
+                      "formula": tfdist.zero.zero_formula(num_params, REPLICAS, stage)["total"]}))

@@ -49,12 +49,12 @@ def build(kind: str):
 
 
 def weights(model) -> list:
-    with tfdist.sharding.gathered_state(model):  # every rank: reading sharded weights is a collective
+    with tfdist.zero.gathered_state(model):  # every rank: reading sharded weights is a collective
         return [w.ravel().tolist() for w in model.get_weights()]
 
 
 def slots(model) -> list:
-    with tfdist.sharding.gathered_state(model):
+    with tfdist.zero.gathered_state(model):
         return [np.asarray(v.numpy()).ravel().tolist() for v in model.optimizer.variables]
 
 
@@ -69,7 +69,7 @@ def run(strategy, stage: int, kind: str, rank: int) -> dict:
     rec = {"loss": history.history["loss"], "w20": weights(a), "slots": slots(a), "iterations": int(a.optimizer.iterations.numpy()),
            "replicas": strategy.num_replicas_in_sync, "local_devices": list(strategy.extended.worker_devices)}
     tfdist.training.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
-    engine = tfdist.sharding.engine_of(a)
+    engine = tfdist.zero.engine_of(a)
     if stage == 3:
         rec["shard_ids"] = list(engine.comm.shard_ids)
         rec["params"] = [{"path": p.name, "size": p.size, "pieces": [list(c.shape) for c in p.components],

@@ -28,7 +28,7 @@ if __name__ == "__main__":
     for name, stage in (("stage0", 0), ("stage3", 3), ("stage3_prefetch", 3)):
         strategy = tfdist.MirroredStrategy(zero_stage=stage)
         if name == "stage3_prefetch":
-            tfdist.sharding.configure_stage3(strategy, prefetch=True)
+            tfdist.zero.configure_stage3(strategy, prefetch=True)
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((WIDTH,)),

@@ -1,7 +1,7 @@
 """One rank of the Horovod ZeRO tests: `python zero_horovod_worker.py OUT_DIR` under a 2-process launcher.
 
 In one process, in order: stages 0, 1, 2 each train the same small CNN for 20 Adam steps and save
-(`tfdist.cluster.save_model` on every rank; ModelCheckpoint / BackupAndRestore during the fit of
+(`tfdist.training.save_model` on every rank; ModelCheckpoint / BackupAndRestore during the fit of
 stages 2 / 1); a rank-0-only `model.save` under ZeRO must fail clearly; then the stage-0 file is
 loaded into stages 0, 1, 2 and training continues for 4 steps. Everything the test compares goes
 to OUT_DIR (rank{r}.json, *.npz, *.keras).
@@ -28,7 +28,7 @@ def main() -> int:
     import tensorflow as tf
 
     import tfdist
-    from tfdist.comm.horovod_shards import HorovodShardCollectives
+    from tfdist.zero.horovod_collectives import HorovodShardCollectives
     from tfdist.errors import ConfigError
 
     # Small chunks, so this 2,570-parameter CNN's ZeRO-2 reduce-scatter runs as 3 Horovod calls per step,
@@ -40,7 +40,7 @@ def main() -> int:
     rank = None
 
     def state(model) -> list[np.ndarray]:
-        with tfdist.sharding.gathered_state(model):  # every rank: reading sharded state is collective
+        with tfdist.zero.gathered_state(model):  # every rank: reading sharded state is collective
             return [np.asarray(v.numpy()) for v in model.optimizer.variables]
 
     for stage in (0, 1, 2):
@@ -52,15 +52,15 @@ def main() -> int:
             model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
         callbacks = []
         if stage == 2:
-            callbacks.append(tfdist.cluster.ModelCheckpoint(os.path.join(out, "s2_ep{epoch}.keras")))
+            callbacks.append(tfdist.training.ModelCheckpoint(os.path.join(out, "s2_ep{epoch}.keras")))
         if stage == 1:
-            callbacks.append(tfdist.cluster.BackupAndRestore(os.path.join(out, "backup_s1"), delete_on_success=False))
+            callbacks.append(tfdist.training.BackupAndRestore(os.path.join(out, "backup_s1"), delete_on_success=False))
         print(f"stage {stage}: fit", flush=True)
         model.fit(ds, epochs=5, shuffle=False, verbose=0, callbacks=callbacks)
         print(f"stage {stage}: fitted", flush=True)
         info: dict = {"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
                       "memory": strategy.memory_report(model).to_dict()}
-        engine = tfdist.sharding.engine_of(model.optimizer)
+        engine = tfdist.zero.engine_of(model.optimizer)
         if engine is not None:
             info["shard_ids"] = list(engine.comm.shard_ids)
             info["num_shards"] = engine.comm.num_shards
@@ -76,7 +76,7 @@ def main() -> int:
                     info["rank0_only_save"] = str(err)
         np.savez(os.path.join(out, f"s{stage}_rank{rank}.npz"), *model.get_weights())
         np.savez(os.path.join(out, f"s{stage}_state_rank{rank}.npz"), *state(model))
-        tfdist.cluster.save_model(model, os.path.join(out, f"stage{stage}.keras"))
+        tfdist.training.save_model(model, os.path.join(out, f"stage{stage}.keras"))
         record["stages"][stage] = info
         del model, strategy
 

@@ -10,7 +10,7 @@ import tfdist
 strategy = tfdist.MultiWorkerMirroredStrategy(timeout_s=60, zero_stage=stage, offload=offload)
 import keras
 import tensorflow as tf
-from tfdist.comm.tf_shards import TFShardCollectives
+from tfdist.zero.tf_collectives import TFShardCollectives
 
 # Tiny chunks, so this 161-parameter model's ZeRO-2 reduce-scatter runs as 11 chunked all-to-alls
 # per shard, as a 25M-parameter model's does with the default 16 MiB.
@@ -43,11 +43,11 @@ backup = os.path.join(out, f"backup-{tag}")
 
 # 1. 20 Adam steps with a backup and a checkpoint per epoch; every worker saves.
 a = build()
-a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.cluster.BackupAndRestore(backup, delete_on_success=False),
-                                            tfdist.cluster.ModelCheckpoint(os.path.join(out, f"{tag}.keras"))])
+a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.training.BackupAndRestore(backup, delete_on_success=False),
+                                            tfdist.training.ModelCheckpoint(os.path.join(out, f"{tag}.keras"))])
 record["w20"], record["slots"] = flat(a), state(a)
-tfdist.cluster.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
-engine = tfdist.sharding.engine_of(a.optimizer)
+tfdist.training.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
+engine = tfdist.zero.engine_of(a.optimizer)
 if engine is not None:  # tf.train.Checkpoint: every worker writes (gathering), the chief's copy is kept
     where = out if rank == 0 else tempfile.mkdtemp(prefix="ckpt-")
     tf.train.Checkpoint(model=a, optimizer=a.optimizer).write(os.path.join(where, f"{tag}-tf"))
@@ -66,7 +66,7 @@ a.fit(data, epochs=3, initial_epoch=2, verbose=0)
 record["w30"] = flat(a)
 # 3. A fresh model resumes from the backup (epoch 2) and runs epoch 3.
 b = build()
-restore = tfdist.cluster.BackupAndRestore(backup)
+restore = tfdist.training.BackupAndRestore(backup)
 b.fit(data, epochs=3, verbose=0, callbacks=[restore])
 record["resumed_epoch"], record["w30_resumed"] = restore.restored_epoch, flat(b)
 # 4. The stage-0 run's checkpoint (20 steps) loaded here, then epoch 3.
@@ -97,7 +97,7 @@ mixed = build(optimizer=lambda: keras.optimizers.AdamW(schedule(), weight_decay=
 mixed.fit(data, epochs=1, verbose=0)
 keras.mixed_precision.set_global_policy("float32")
 record["w_adamw_mixed"] = flat(mixed)
-inner = tfdist.sharding.engine_of(mixed.optimizer.inner_optimizer)  # the sharded one
+inner = tfdist.zero.engine_of(mixed.optimizer.inner_optimizer)  # the sharded one
 record["adamw_mixed_optimizer"] = [type(mixed.optimizer).__name__, mixed.layers[0].compute_dtype,
                                    int(mixed.optimizer.iterations.numpy()), inner.stage if inner else 0]
 # This process's ModelCheckpoint scratch directories (the pid is in their name; a looser pattern also matched

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfdist.errors import import_extra
+
 
 def pyplot():
     """matplotlib.pyplot, on the Agg backend outside notebooks (scripts and CI have no display)."""
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "examples", "drawing pictures (tfdist.plots)")
     if not _in_notebook():
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -76,7 +76,7 @@ def _dtype_bytes(dtype) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from tfdist.errors import ConfigError
-    from tfdist.sharding.memory import zero_formula
+    from tfdist.zero.memory import zero_formula
 
     if args.replicas is None and args.tensor_parallel is None:
         raise ConfigError("--replicas: give the number of data-parallel replicas N (e.g. --replicas 4), or "

@@ -7,7 +7,7 @@ import json
 import platform
 import time
 
-# Strategies whose builder takes zero_stage (tfdist.sharding); extend when another one gains it.
+# Strategies whose builder takes zero_stage (tfdist.zero); extend when another one gains it.
 ZERO_STRATEGIES = ("mirrored", "multiworker", "horovod")
 
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
         written.append((args.json, write_or_rescue(args.json, write_json, "the run record")))
     if args.save:  # every rank: with ZeRO across processes, saving gathers the optimizer shards
-        with tfdist.sharding.gathered_state(model):
+        with tfdist.zero.gathered_state(model):
             if chief:
                 written.append((args.save, write_or_rescue(args.save, model.save, "the model")))
     for wanted, path in written:

@@ -12,26 +12,15 @@ _LAZY = {
     "WorkerLostError": "tfdist.cluster.faults",
     "launch": "tfdist.cluster.launcher",
     "list_devices": "tfdist.cluster.global_devices",
-    "parse_tf_config": "tfdist.cluster.tf_config",
+    "parse_tf_config": "tfdist.comm.tf_config",
     "requeue_job": "tfdist.cluster.requeue",
 }
 
-# Old public names of the Keras callbacks and saving, which now live one layer up, in the training package.
-# Kept so that `tfdist.cluster.BackupAndRestore` etc. go on working (they are the same objects).
-# This table is the only place where tfdist.cluster refers to a layer above it: add nothing else.
-_MOVED_TO_TRAINING = {
-    "BackupAndRestore": "tfdist.training.backup",
-    "ModelCheckpoint": "tfdist.training.checkpoint",
-    "save_model": "tfdist.training.saving",
-    "Preemption": "tfdist.training.preemption",
-}
-
-__all__ = ["RankInfo", "SlurmCluster", "in_slurm_step", "is_chief", "rank", "world_size", *_LAZY,
-           *_MOVED_TO_TRAINING]
+__all__ = ["RankInfo", "SlurmCluster", "in_slurm_step", "is_chief", "rank", "world_size", *_LAZY]
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name) or _MOVED_TO_TRAINING.get(name)
+    module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tfdist.cluster' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

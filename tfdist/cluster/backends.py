@@ -8,7 +8,7 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 
-from tfdist.cluster.env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.cluster.ports import free_ports
 from tfdist.errors import ConfigError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from tfdist.cluster.env import LOCAL_DEVICES_ENV, launcher_of, local_device_count
-from tfdist.cluster.tf_config import MULTI_WORKER_JOBS, tf_config_from_env
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, launcher_of, local_device_count
+from tfdist.comm.tf_config import MULTI_WORKER_JOBS, tf_config_from_env
 from tfdist.errors import ConfigError
 
 __all__ = ["list_devices"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from tfdist.cluster.ports import port_open, silent_after
-from tfdist.cluster.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
+from tfdist.comm.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
 from tfdist.errors import ConfigError
 
 __all__ = ["cluster_config_of", "startup_error", "wait_for_peers"]

@@ -1,7 +1,7 @@
 """Which process am I: rank, world size and chief-ness from the strategy or the launcher's environment.
 
 The one implementation: every "am I the chief?" in tfdist (callbacks, saving, preemption, the CLI)
-calls `is_chief` here. Launcher variables come from the one table, `tfdist.cluster.env.LAUNCHERS`.
+calls `is_chief` here. Launcher variables come from the one table, `tfdist.comm.launch_env.LAUNCHERS`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from tfdist.cluster.env import LAUNCHERS
+from tfdist.comm.launch_env import LAUNCHERS
 
 __all__ = ["rank", "world_size", "is_chief"]
 
@@ -21,7 +21,7 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
     MultiWorkerMirroredStrategy's own task (chief job first, then workers, as TF numbers them);
     TF_CONFIG (same order; a parameter-server cluster's 'ps' tasks come last: chief 0, worker i is
     1 + i, ps j is 1 + workers + j, as `tfdist launch --ps` numbers TFDIST_RANK); then the launchers'
-    rank variables, in the order of `tfdist.cluster.env.LAUNCHERS` (HOROVOD_RANK, OMPI_COMM_WORLD_RANK,
+    rank variables, in the order of `tfdist.comm.launch_env.LAUNCHERS` (HOROVOD_RANK, OMPI_COMM_WORLD_RANK,
     PMIX_RANK, PMI_RANK, ..., SLURM_PROCID, TFDIST_RANK). 0 when nothing says otherwise.
 
     Example:
@@ -41,7 +41,7 @@ def rank(strategy=None, environ: Mapping[str, str] | None = None) -> int:
                 chiefs = len(spec.get("chief", []))
                 return 0 if task_type == "chief" else chiefs + int(task_id)
     if env.get("TF_CONFIG", "").strip():
-        from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
+        from tfdist.comm.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 
         return parse_tf_config(env["TF_CONFIG"], jobs=PARAMETER_SERVER_JOBS).rank
     found = _first_number(env, (launcher.rank_var for launcher in LAUNCHERS))
@@ -53,7 +53,7 @@ def world_size(strategy=None, environ: Mapping[str, str] | None = None) -> int:
 
     Same order of evidence as `rank`: a strategy's int `size`, a MultiWorkerMirroredStrategy's worker
     count, TF_CONFIG (its chief and workers; parameter servers do not train, so they are not counted),
-    then the launchers' size variables (`tfdist.cluster.env.LAUNCHERS`).
+    then the launchers' size variables (`tfdist.comm.launch_env.LAUNCHERS`).
     """
     env = os.environ if environ is None else environ
     if strategy is not None:
@@ -65,7 +65,7 @@ def world_size(strategy=None, environ: Mapping[str, str] | None = None) -> int:
 
             return strategy_task(strategy)[2]
     if env.get("TF_CONFIG", "").strip():
-        from tfdist.cluster.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
+        from tfdist.comm.tf_config import PARAMETER_SERVER_JOBS, parse_tf_config
 
         return parse_tf_config(env["TF_CONFIG"], jobs=PARAMETER_SERVER_JOBS).num_workers
     found = _first_number(env, (launcher.size_var for launcher in LAUNCHERS if launcher.size_var))

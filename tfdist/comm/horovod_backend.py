@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist._compat.horovod_sets import registered_process_set
+from tfdist.comm._horovod_sets import registered_process_set
 from tfdist.comm.horovod import horovod
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder

@@ -2,7 +2,7 @@
 
 Pure Python (no TensorFlow): `tfdist launch` and `tfdist cluster` read it before any worker starts. It
 lives in the bottom layer so `tfdist.comm.init()` can tell an MPI/Horovod launch from a TF_CONFIG one;
-`tfdist.cluster.env` re-exports it for the launcher, the strategies and rank detection.
+`tfdist.comm.launch_env` re-exports it for the launcher, the strategies and rank detection.
 
 Example:
     >>> launcher_of({"OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "1"}).kind

@@ -10,7 +10,7 @@ custom-loop tutorial: every worker calls `checkpoint.save()`) then work unchange
 
 Under Horovod's MPI controller (`mpirun`, `horovodrun --mpi`) there is no such server: the same messages go as
 non-blocking MPI point-to-point messages (mpi4py) instead. Without either (mpi4py missing), `from_environment`
-returns None and such reads are refused up front (tfdist.sharding.SlotShards).
+returns None and such reads are refused up front (tfdist.zero.SlotShards).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class ReadAgreement:
 
 _FIX = ("Under HorovodStrategy with zero_stage, a save (model.save, save_weights, tf.train.Checkpoint) reads the "
         "shards of every process, so every rank must take part: run the same save on every rank (as in TF's "
-        "custom-loop tutorial, each rank writing its own path), or use tfdist.cluster.save_model(model, path), "
-        "tfdist.cluster.ModelCheckpoint / BackupAndRestore (rank 0 writes).")
+        "custom-loop tutorial, each rank writing its own path), or use tfdist.training.save_model(model, path), "
+        "tfdist.training.ModelCheckpoint / BackupAndRestore (rank 0 writes).")
 
 
 def _pauses():

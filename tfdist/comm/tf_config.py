@@ -1,5 +1,5 @@
 """TF_CONFIG: parse and check it with clear errors. The one parser: `tfdist.comm.init()` reads its process's
-rank and the workers' addresses with it; `tfdist.cluster.tf_config` re-exports it for the launcher (whose
+rank and the workers' addresses with it; `tfdist.comm.tf_config` re-exports it for the launcher (whose
 "tf" backend writes TF_CONFIG: cluster/backends.py), rank detection and the strategies. Pure Python."""
 
 from __future__ import annotations

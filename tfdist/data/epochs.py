@@ -42,7 +42,7 @@ class EpochOrder(keras.callbacks.Callback):
     Example:
         >>> order = tfdist.data.EpochOrder(seed=0)
         >>> train = order.dataset(x, y, batch_size=64)                    # or: order.apply(ds).batch(64)
-        >>> model.fit(train, epochs=5, callbacks=[order, tfdist.cluster.BackupAndRestore("backup")])
+        >>> model.fit(train, epochs=5, callbacks=[order, tfdist.training.BackupAndRestore("backup")])
     """
 
     def __init__(self, seed: int = 0):

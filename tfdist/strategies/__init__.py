@@ -4,7 +4,7 @@ from tfdist.strategies.factory import make_strategy, register, strategy_names
 from tfdist.strategies.mirrored import MirroredStrategy
 from tfdist.strategies.horovod import HorovodStrategy  # Horovod itself is imported only when one is built
 from tfdist.strategies.layer_placement import LayerPlacementStrategy
-from tfdist.strategies.model_parallel import ModelParallelStrategy
+from tfdist.strategies.model_parallel.strategy import ModelParallelStrategy
 from tfdist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from tfdist.strategies.parameter_server import ParameterServerStrategy
 

@@ -6,28 +6,21 @@ The decision is a pure function of the environment (`decide`), so it is tested o
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tfdist.cluster.env import LAUNCHERS
+from tfdist.comm.launch_env import LAUNCHERS
 from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
 from tfdist.errors import ConfigError
+from tfdist.strategies.factory import strategy_class
 
 __all__ = ["Decision", "decide", "auto_strategy"]
 
 log = logging.getLogger("tfdist")
 
-# kind -> (module, class, the tfdist issue that adds it)
-_CLASSES = {
-    "mirrored": ("tfdist.strategies.mirrored", "MirroredStrategy", None),
-    "multiworker": ("tfdist.strategies.multi_worker", "MultiWorkerMirroredStrategy", "issue 3"),
-    "horovod": ("tfdist.strategies.horovod", "HorovodStrategy", "issue 4"),
-    "ps": ("tfdist.strategies.parameter_server", "ParameterServerStrategy", "issue 17"),
-}
 BACKENDS = (None, "tf", "horovod")
 
 
@@ -130,7 +123,7 @@ def auto_strategy(zero_stage: int | None = None, backend: str | None = None, *, 
     log.info("tfdist.auto_strategy: %s", decision)
     if zero_stage is not None:
         options["zero_stage"] = zero_stage
-    cls = _strategy_class(decision.kind)
+    cls = strategy_class(decision.kind)
     if decision.kind == "multiworker" and decision.slurm is not None and "cluster_resolver" not in options:
         # The step's cluster goes to the strategy directly: this process's environment is left alone.
         options["cluster_resolver"] = _resolver(decision.slurm.tf_config())
@@ -150,19 +143,6 @@ def _resolver(tf_config: dict):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(tf_config["cluster"]), task_type=tf_config["task"]["type"],
         task_id=tf_config["task"]["index"], rpc_layer="grpc")
-
-
-def _strategy_class(kind: str):
-    module_name, class_name, issue = _CLASSES[kind]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name != module_name:
-            raise
-        raise ConfigError(f"auto_strategy chose {class_name}, but {module_name} is not part of this tfdist "
-                          f"yet ({issue}). Run with a single process (Mirrored) or install a tfdist that has it."
-                          ) from None
-    return getattr(module, class_name)
 
 
 def _size(env: Mapping[str, str], name: str) -> int:

@@ -10,14 +10,15 @@ from collections.abc import Callable, Iterator
 import keras
 import tensorflow as tf
 
-from tfdist import sharding
-from tfdist._compat import grad_accumulate, keras_optimizer
+from tfdist import zero
+from tfdist._compat import keras_optimizer
+from tfdist.data_parallel import _no_sync as grad_accumulate
 from tfdist._compat.keras_model import model_of_step, step_objects
-from tfdist.comm.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
-from tfdist.comm.comm_hooks import hook_from
-from tfdist.comm.shard_collectives import ShardCollectives
+from tfdist.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
+from tfdist.data_parallel.comm_hooks import hook_from
+from tfdist.zero.collectives import ShardCollectives
 from tfdist.errors import ConfigError
-from tfdist.training.uneven import UnevenData, check_mode
+from tfdist.data_parallel.uneven import UnevenData, check_mode
 
 __all__ = ["DataParallel"]
 
@@ -27,12 +28,12 @@ class DataParallel:
     among the bases, before the tf.distribute strategy class each one refines).
 
     - `zero_stage`/`offload` are checked once here, and the strategy registers itself with the
-      sharding layer (`tfdist.sharding.register_strategy`), with the collectives its replicas use;
+      sharding layer (`tfdist.zero.register_strategy`), with the collectives its replicas use;
     - inside `scope()` and `run()` (and only there) Keras optimizers built for this strategy get
-      their ZeRO engine (`tfdist.sharding.building_optimizers`); plain Keras elsewhere in the process
+      their ZeRO engine (`tfdist.zero.building_optimizers`); plain Keras elsewhere in the process
       runs the stock classes;
     - across processes, distributed datasets iterate under an uneven-data agreement
-      (`tfdist.training.uneven`): every rank takes the same steps even when the ranks' datasets differ in
+      (`tfdist.data_parallel.uneven`): every rank takes the same steps even when the ranks' datasets differ in
       length ("stop" at the shortest rank's end, or "join" with empty batches);
     - `memory_report(model)` measures per-replica bytes.
 
@@ -42,7 +43,7 @@ class DataParallel:
 
     zero_stage: int = 0
     offload: bool = False
-    zero_stages: tuple[int, ...] = sharding.SUPPORTED_STAGES  # the ZeRO stages this strategy runs
+    zero_stages: tuple[int, ...] = zero.SUPPORTED_STAGES  # the ZeRO stages this strategy runs
     uneven_data: str = "stop"
     _uneven: UnevenData | None = None
     gradient_path: GradientPath | None = None
@@ -51,8 +52,8 @@ class DataParallel:
     def _check_zero_options(self, zero_stage, offload, fsdp_unit_bytes=None, reshard_after_forward: bool = True,
                             fsdp_prefetch: bool = False) -> None:
         """Checks ZeRO's arguments (stage 3's too) before the strategy starts anything."""
-        self.zero_stage, self.offload = sharding.check_options(zero_stage, offload, stages=self.zero_stages)
-        sharding.check_stage3_options(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
+        self.zero_stage, self.offload = zero.check_options(zero_stage, offload, stages=self.zero_stages)
+        zero.check_stage3_options(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         self._stage3_options = {"unit_bytes": fsdp_unit_bytes, "reshard_after_forward": reshard_after_forward,
                                 "prefetch": fsdp_prefetch}
 
@@ -60,15 +61,15 @@ class DataParallel:
         config = None
         if self.zero_stage:
             extra = {} if host_device is None else {"host_device": host_device}
-            config = sharding.ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
-        sharding.register_strategy(self, config)
+            config = zero.ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
+        zero.register_strategy(self, config)
         if self.zero_stage == 3:
-            sharding.configure_stage3(self, **self._stage3_options)
+            zero.configure_stage3(self, **self._stage3_options)
 
     def _attach_uneven_data(self, mode: str, fused: bool) -> None:
         """Agrees on uneven per-rank data when this strategy spans several processes (one process: one
         pipeline, nothing to agree on). `fused`: the step's gradient all-reduce sums floats exactly, so the
-        agreement can ride along with it (the extended is a `tfdist._compat.fused_flags` class)."""
+        agreement can ride along with it (the extended is a `tfdist.data_parallel._fused_flags` class)."""
         self.uneven_data = check_mode(mode)
         processes = self.num_replicas_in_sync // len(self.extended.worker_devices)
         if processes > 1:
@@ -76,7 +77,7 @@ class DataParallel:
             if fused:
                 self.extended.step_carrier = self._uneven
 
-    # -- the gradient path: buckets and communication hooks (tfdist.comm.buckets, docs/comm.md) -------------
+    # -- the gradient path: buckets and communication hooks (tfdist.data_parallel.buckets, docs/comm.md) -------------
     def _check_bucket_cap(self, bucket_cap_mb) -> float | None:
         if bucket_cap_mb is None:
             return None
@@ -92,7 +93,7 @@ class DataParallel:
 
     def _attach_gradient_path(self, bucket_cap_mb: float | None) -> None:
         """Routes the step's gradient all-reduce through buckets of `bucket_cap_mb` (None: the stock path, until
-        a hook is registered). The extended is a `tfdist._compat.grad_path` class."""
+        a hook is registered). The extended is a `tfdist.data_parallel._grad_path` class."""
         if bucket_cap_mb is not None:
             self.gradient_path = GradientPath(bucket_cap_mb, self.num_replicas_in_sync)
             self.extended.gradient_router = self.gradient_path
@@ -114,8 +115,8 @@ class DataParallel:
     def register_comm_hook(self, hook) -> None:
         """Makes each gradient bucket's all-reduce go through `hook` (PyTorch DDP's `register_comm_hook`).
 
-        `hook`: 'fp16', 'bf16', 'powersgd', 'powersgd:RANK', a `tfdist.comm.powersgd.PowerSGD(...)` or a
-        callable `hook(bucket) -> list of tensors` (signature in `tfdist.comm.comm_hooks`). Register it before
+        `hook`: 'fp16', 'bf16', 'powersgd', 'powersgd:RANK', a `tfdist.data_parallel.powersgd.PowerSGD(...)` or a
+        callable `hook(bucket) -> list of tensors` (signature in `tfdist.data_parallel.comm_hooks`). Register it before
         the first training step is traced (before `fit`, or before the first call of a custom loop's
         `tf.function`), once. Without `bucket_cap_mb` buckets of the default 25 MB are used. zero_stage 0 only.
 
@@ -230,7 +231,7 @@ class DataParallel:
     def scope(self) -> Iterator[tf.distribute.Strategy]:
         """`tf.distribute.Strategy.scope()`; inside it, optimizers built for this strategy are sharded
         as `zero_stage` says."""
-        with super().scope() as strategy, sharding.building_optimizers(), \
+        with super().scope() as strategy, zero.building_optimizers(), \
                 keras_optimizer.optimizer_hooks(_no_build, self._track_optimizer):
             yield strategy
 
@@ -240,7 +241,7 @@ class DataParallel:
         if self.zero_stage == 3:
             self._build_optimizer_before_the_step(fn)
         in_step = getattr(self.extended, "in_step", contextlib.nullcontext)
-        with sharding.building_optimizers(), self._uneven_step(fn), in_step():
+        with zero.building_optimizers(), self._uneven_step(fn), in_step():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _build_optimizer_before_the_step(self, fn) -> None:
@@ -265,7 +266,7 @@ class DataParallel:
         self._uneven.weigh(getattr(model_of_step(fn), "optimizer", None))
         return self._uneven.step()
 
-    def memory_report(self, model) -> sharding.MemoryReport:
+    def memory_report(self, model) -> zero.MemoryReport:
         """Per-replica bytes of parameters, gradients and optimizer state of `model`'s training, for
         this process's replicas.
 
@@ -273,7 +274,7 @@ class DataParallel:
         step keeps), next to the ZeRO formula for all `num_replicas_in_sync` replicas. Call it after
         the optimizer is built (after the first `fit` step or `model.optimizer.build(...)` in scope).
         """
-        return sharding.memory_report(self, model)
+        return zero.memory_report(self, model)
 
 
 def _no_build(optimizer, variables) -> None:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist._compat.fused_flags import with_step_flags
-from tfdist._compat.grad_path import with_gradient_path
-from tfdist.cluster.env import launched_by, local_device_count
+from tfdist.data_parallel._fused_flags import with_step_flags
+from tfdist.data_parallel._grad_path import with_gradient_path
+from tfdist.comm.launch_env import launched_by, local_device_count
 from tfdist.comm.horovod import (
     CPU_FUSION_THRESHOLD_MB,
     HorovodAllReduce,
@@ -22,8 +22,8 @@ from tfdist.comm.horovod_group import HorovodGroup
 from tfdist.devices import process_devices
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
-from tfdist.strategies.input_reuse import ReusedInputIterators
-from tfdist.training.uneven import check_mode
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
+from tfdist.data_parallel.uneven import check_mode
 
 __all__ = ["HorovodStrategy", "launched_by"]
 
@@ -70,7 +70,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             processes: each rank keeps 1/N of it), 2 (gradients reduce-scattered too) or 3 (parameters
             sharded too, all-gathered across the ranks per layer for its forward and backward: FSDP), as in
             `tfdist.MirroredStrategy`. The shards move with `hvd.alltoall` (+ a local sum) / `hvd.allgather`
-            (tfdist.comm.horovod_shards). Saving a model or checkpoint gathers the full optimizer state:
+            (tfdist.zero.horovod_collectives). Saving a model or checkpoint gathers the full optimizer state:
             with zero_stage > 0 every rank must take part (tfdist.training.ModelCheckpoint,
             BackupAndRestore and `tfdist.training.save_model` do that, and so does the same save run on
             every rank, e.g. TF's custom-loop tutorial's `checkpoint.save()`); a `model.save` on rank 0
@@ -93,7 +93,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a
             save, `get_weights` at stage 3) waits for every rank to make the same read, agreed through the
             Gloo rendezvous store, or under mpirun through MPI messages (tfdist.comm.read_agreement; without
-            mpi4py these reads are refused up front there: save inside `tfdist.sharding.gathered_state(model)`
+            mpi4py these reads are refused up front there: save inside `tfdist.zero.gathered_state(model)`
             on every rank).
 
     Example (run with `horovodrun -np 2 python train.py`):
@@ -188,7 +188,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         super().register_comm_hook(hook)
 
     def _shard_collectives(self):
-        from tfdist.comm.horovod_shards import HorovodShardCollectives
+        from tfdist.zero.horovod_collectives import HorovodShardCollectives
 
         return HorovodShardCollectives(self.extended.worker_devices, self.rank, self.size, self.save_timeout_s)
 

@@ -14,13 +14,13 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
-from tfdist.placement.layer_call import colocate_with_inputs, place_layer_call
-from tfdist.placement.migrate import move_model_variables
-from tfdist.placement.balance import measure_stage_costs
-from tfdist.placement.pipeline import check_batch, pipeline_model_call
-from tfdist.placement.plan import BALANCE_BY, StagePlan, describe_model, make_plan
-from tfdist.placement.streams import StageStreams
-from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.pipeline.layer_call import colocate_with_inputs, place_layer_call
+from tfdist.pipeline.migrate import move_model_variables
+from tfdist.pipeline.balance import measure_stage_costs
+from tfdist.pipeline.microbatches import check_batch, pipeline_model_call
+from tfdist.pipeline.plan import BALANCE_BY, StagePlan, describe_model, make_plan
+from tfdist.pipeline.streams import StageStreams
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
 
 __all__ = ["LayerPlacementStrategy"]
 
@@ -37,7 +37,7 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
     Build the model inside `scope()`. It is placed on its first fit/evaluate/predict step (or
     by `strategy.place(model)`, e.g. to look at the plan first); placing moves its variables and
     any optimizer slots already built, so it works after `compile`. Like `tfdist.MirroredStrategy`, it keeps
-    one input iterator per distributed dataset (`tfdist.strategies.input_reuse`; `reuse_input_iterators`).
+    one input iterator per distributed dataset (`tfdist.data_parallel.input_reuse`; `reuse_input_iterators`).
 
     Args:
         devices: device names, or None for all local devices (GPUs, else logical CPUs).
@@ -47,7 +47,7 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
         balance: what "auto" balances: "params", "flops" (estimated) or "time" (measured).
         micro_batches: GPipe micro-batches per step (must divide the per-replica batch).
         stage_streams: run each device's layer calls one after another in trace order (one op
-            stream per device, like an accelerator; see `tfdist.placement.streams.StageStreams`).
+            stream per device, like an accelerator; see `tfdist.pipeline.streams.StageStreams`).
             None (default): on when micro_batches > 1, where without it logical CPU devices
             sharing one thread pool do not pipeline.
         data_parallel: number of pipeline replicas D; len(devices) must be a multiple of D.

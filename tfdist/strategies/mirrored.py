@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist._compat.grad_path import with_gradient_path
+from tfdist.data_parallel._grad_path import with_gradient_path
 from tfdist.comm import cross_device_ops_from
-from tfdist.comm.shard_collectives import LocalCollectives
+from tfdist.zero.collectives import LocalCollectives
 from tfdist.devices import resolve_devices
 from tfdist.strategies.data_parallel import DataParallel
-from tfdist.strategies.input_reuse import ReusedInputIterators
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
 
 __all__ = ["MirroredStrategy"]
 
@@ -32,8 +32,8 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
       plain Keras. Gradient clipping then uses the norms of the summed (global) gradient.
     - keeps one input iterator per distributed dataset and rewinds it for each epoch (`reuse_input_iterators`):
       stock MirroredStrategy builds a multi-device iterator per epoch and per validation, and tearing the old
-      one down waits for tf.data's autotune threads — first steps of 1-19 s after each validation (issue 18).
-      One distributed dataset then has one iterator at a time (see `tfdist.strategies.input_reuse`).
+      one down waits for tf.data's autotune threads — seconds-long first steps after each validation.
+      One distributed dataset then has one iterator at a time (see `tfdist.data_parallel.input_reuse`).
 
     Args:
         devices: device names such as `['/gpu:0', '/gpu:1']`, or None for all local devices.

@@ -8,18 +8,18 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import tf_runtime
-from tfdist._compat.fused_flags import with_step_flags
-from tfdist._compat.grad_path import with_gradient_path
-from tfdist.cluster.env import local_device_count
+from tfdist.data_parallel._fused_flags import with_step_flags
+from tfdist.data_parallel._grad_path import with_gradient_path
+from tfdist.comm.launch_env import local_device_count
 from tfdist.cluster.faults import install_excepthook, startup_watchdog
 from tfdist.cluster.peers import cluster_config_of, startup_error, wait_for_peers
-from tfdist.cluster.tf_config import ClusterConfig
-from tfdist.comm.shard_collectives import LocalCollectives
+from tfdist.comm.tf_config import ClusterConfig
+from tfdist.zero.collectives import LocalCollectives
 from tfdist.devices import kind_and_indices, process_devices
 from tfdist.errors import ConfigError, InitOrderError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
-from tfdist.strategies.input_reuse import ReusedInputIterators
-from tfdist.training.uneven import check_mode
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
+from tfdist.data_parallel.uneven import check_mode
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -187,7 +187,7 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
 
     def _shard_collectives(self):
         if tf_distribute.strategy_task(self)[2] > 1:
-            from tfdist.comm.tf_shards import TFShardCollectives
+            from tfdist.zero.tf_collectives import TFShardCollectives
 
             return TFShardCollectives(self, timeout_s=self.timeout_s)
         return LocalCollectives(list(self.extended.worker_devices))  # one worker: plain device copies

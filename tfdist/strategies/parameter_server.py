@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist._compat import parameter_server as ps_compat
+from tfdist.parameter_server import _tf_sharded as ps_compat
 from tfdist.cluster.ports import silent_after
 from tfdist.errors import ConfigError
-from tfdist.training import coordinated
+from tfdist.parameter_server import coordinated
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -101,7 +101,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
     @contextlib.contextmanager
     def scope(self) -> Iterator[tf.distribute.Strategy]:
         """The strategy's scope; every Keras model created in it gets fit/evaluate/predict that schedule
-        their steps on the workers (tfdist.training.coordinated)."""
+        their steps on the workers (tfdist.parameter_server.coordinated)."""
         with super().scope() as strategy, keras_model.model_hooks(self._attach):
             yield strategy
 

@@ -2,7 +2,7 @@
 preemption, throughput.
 
 The layer between the strategies and what they build on: it uses `tfdist.cluster` (who is chief, the
-SLURM requeue) and `tfdist.sharding` (gathering ZeRO state before a save), never `tfdist.strategies`.
+SLURM requeue) and `tfdist.zero` (gathering ZeRO state before a save), never `tfdist.strategies`.
 
 Example:
     >>> from tfdist.training import BackupAndRestore, save_model

@@ -11,7 +11,7 @@ import keras
 
 from tfdist._compat import keras_model
 from tfdist.cluster.rank import is_chief
-from tfdist.sharding import gathered_state
+from tfdist.zero import gathered_state
 
 __all__ = ["BackupAndRestore"]
 
@@ -39,7 +39,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             TF_CONFIG / launcher rank; works for MultiWorkerMirroredStrategy and HorovodStrategy).
 
     Example:
-        >>> from tfdist.training import BackupAndRestore      # also tfdist.cluster.BackupAndRestore
+        >>> from tfdist.training import BackupAndRestore
         >>> backup = BackupAndRestore("/shared/run1/backup")
         >>> model.fit(data, epochs=10, callbacks=[backup])   # rerun the same command after a crash
     """

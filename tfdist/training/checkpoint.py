@@ -9,7 +9,7 @@ import tempfile
 import keras
 
 from tfdist.cluster.rank import is_chief
-from tfdist.sharding import cross_process_engine
+from tfdist.zero import cross_process_engine
 
 __all__ = ["ModelCheckpoint"]
 
@@ -22,7 +22,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
     the model, and "save_best_only" decides the same way everywhere.
 
     Example:
-        >>> from tfdist.training import ModelCheckpoint        # also tfdist.cluster.ModelCheckpoint
+        >>> from tfdist.training import ModelCheckpoint
         >>> ckpt = ModelCheckpoint("out/best.keras", monitor="val_loss", save_best_only=True)
     """
 

@@ -54,7 +54,7 @@ class Preemption(keras.callbacks.Callback):
             when the model's strategy spans several processes (`tfdist.cluster.world_size`).
 
     Example:
-        >>> from tfdist.training import Preemption       # also tfdist.cluster.Preemption
+        >>> from tfdist.training import Preemption
         >>> stop = Preemption(backup_dir="ckpt")
         >>> model.fit(data.train, epochs=10, callbacks=[stop, data.order])
         >>> if stop.preempted: sys.exit(0)     # requeued; the next run resumes from the checkpoint

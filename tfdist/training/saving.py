@@ -6,7 +6,7 @@ import os
 import tempfile
 
 from tfdist.cluster.rank import is_chief
-from tfdist.sharding import gathered_state
+from tfdist.zero import gathered_state
 
 __all__ = ["save_model"]
 
@@ -22,7 +22,7 @@ def save_model(model, filepath, strategy=None, **kwargs) -> bool:
     it, only the chief does anything. Returns True on the rank that wrote the file.
 
     Example:
-        >>> from tfdist.training import save_model      # also tfdist.cluster.save_model
+        >>> from tfdist.training import save_model
         >>> save_model(model, "out/model.keras")        # every rank
     """
     strategy = strategy if strategy is not None else model.distribute_strategy

@@ -1,0 +1,130 @@
+"""ZeRO's gradient clipping, on the global (reduced) gradient: as flat shards (stages 1/2) or per-variable pieces
+(stage 3). Stock Keras clips each replica's local gradient before the all-reduce; here the norms are those of the
+summed gradient: clipnorm per variable, global_clipnorm over all variables, clipvalue element-wise on the sum."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfdist.zero.collectives import ShardCollectives
+
+__all__ = ["clip_flat_shards", "clip_pieces", "logical_clip_factors", "scale_flat_shards", "scale_pieces"]
+
+
+def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
+    """Keras' clipping options applied to the summed gradient, given as pieces: `grads[i][j]` is local
+    replica i's piece of variable j's reduced gradient (padding elements are zero, so they add nothing
+    to a norm). clipvalue clips element-wise; clipnorm scales each variable by its own global norm and
+    global_clipnorm all variables by the norm of all, the squares summed over every replica's pieces
+    (one small all-reduce). Returns the pieces in the same layout.
+
+    Stock Keras clips each replica's local gradient before the all-reduce; ZeRO's norms are those of the
+    summed gradient, as at stages 1 and 2 (`clip_flat_shards`).
+
+    Example:
+        >>> opt = keras.optimizers.SGD(clipnorm=1.0)
+        >>> [[g.numpy().tolist() for g in row] for row in clip_pieces(opt, tfdist.zero.LocalCollectives(
+        ...     ["/cpu:0", "/cpu:0"]), [[tf.constant([3.0])], [tf.constant([4.0])]])]   # norm 5
+        [[[0.6000000238418579]], [[0.800000011920929]]]
+    """
+    if optimizer.clipvalue:
+        return [[tf.clip_by_value(g, -optimizer.clipvalue, optimizer.clipvalue) for g in row] for row in grads]
+    if optimizer.global_clipnorm:
+        limit = optimizer.global_clipnorm
+        totals = comm.all_reduce_sum([tf.add_n([tf.reduce_sum(tf.square(g)) for g in row]) for row in grads])
+        return [[g * tf.cast(limit / tf.maximum(tf.sqrt(total), limit), g.dtype) for g in row]
+                for row, total in zip(grads, totals)]
+    if optimizer.clipnorm:
+        limit = optimizer.clipnorm
+        totals = comm.all_reduce_sum([tf.stack([tf.reduce_sum(tf.square(g)) for g in row]) for row in grads])
+        out = []
+        for row, total in zip(grads, totals):
+            factors = limit / tf.maximum(tf.sqrt(total), limit)
+            out.append([g * tf.cast(factors[j], g.dtype) for j, g in enumerate(row)])
+        return out
+    return grads
+
+
+def clip_flat_shards(optimizer, comm: ShardCollectives, layout, shards: list) -> list:
+    """The same on flat shards (stages 1/2): `shards[i]` is local replica i's shard of the concatenated reduced
+    gradient, `layout` the engine's FlatLayout (which variable each element belongs to). A GroupedZeroEngine's
+    groups scale by `logical_clip_factors` instead (norms over all its groups)."""
+    opt = optimizer
+    if opt.clipvalue:
+        return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
+    if opt.global_clipnorm:
+        sq = [tf.reduce_sum(tf.square(s)) for s in shards]
+        totals = comm.all_reduce_sum(sq)
+        out = []
+        for s, total in zip(shards, totals):
+            norm = tf.sqrt(total)
+            out.append(s * tf.cast(opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm), s.dtype))
+        return out
+    if opt.clipnorm:
+        nvar = len(layout.sizes)
+        seg = [tf.constant(layout.segment_ids(sid)) for sid in comm.shard_ids]
+        sq = [tf.math.unsorted_segment_sum(tf.square(s), ids, nvar + 1) for s, ids in zip(shards, seg)]
+        totals = comm.all_reduce_sum(sq)
+        out = []
+        for s, total, ids in zip(shards, totals, seg):
+            factor = opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm)
+            out.append(s * tf.gather(tf.cast(factor, s.dtype), ids))
+        return out
+    return shards
+
+
+def logical_clip_factors(optimizer, squares: list, members: list[list[int]], devices: list[list[str]]) -> list:
+    """Clip factors for variables held in several groups (a split variable's shards: one per group), as one
+    device computes them on the logical variables. `squares[g][i]` is group g's vector of per-variable sums of
+    squares of the summed gradient (over every replica) at its local replica i, on `devices[g][i]`;
+    `members[g][j]` the logical variable group g's variable j belongs to (shards of one split variable share
+    it). clipnorm: the norm of a logical variable is sqrt(the sum of its shards' squares); global_clipnorm: the
+    norm over everything. Returns `factors[g][i]`: a vector (one factor per variable of group g) or a scalar.
+
+    Example:
+        >>> opt = keras.optimizers.SGD(clipnorm=1.0)    # one logical variable in two groups: norm 5
+        >>> f = logical_clip_factors(opt, [[tf.constant([9.0])], [tf.constant([16.0])]], [[0], [0]],
+        ...                          [["/cpu:0"], ["/cpu:0"]])
+        >>> [round(float(g[0][0]), 6) for g in f]
+        [0.2, 0.2]
+    """
+    global_norm = bool(optimizer.global_clipnorm)
+    limit = optimizer.global_clipnorm if global_norm else optimizer.clipnorm
+    ids = tf.constant([m for group in members for m in group], tf.int32)
+    count = max(m for group in members for m in group) + 1
+    factors = [[None] * len(row) for row in devices]
+    for i in range(len(devices[0])):
+        with tf.device(devices[0][i]):  # one sum per local replica, so every shard of a variable gets one factor
+            flat = tf.concat([squares[g][i] for g in range(len(devices))], 0)
+            if global_norm:
+                total = tf.reduce_sum(flat)
+                factor = limit / tf.maximum(tf.sqrt(total), limit)
+            else:
+                totals = tf.math.unsorted_segment_sum(flat, ids, count)
+                by_logical = limit / tf.maximum(tf.sqrt(totals), limit)
+        for g in range(len(devices)):
+            with tf.device(devices[g][i]):
+                factors[g][i] = tf.identity(factor) if global_norm else tf.gather(by_logical, members[g])
+    return factors
+
+
+def scale_flat_shards(layout, shard_ids: list, devices: list, shards: list, factors: list) -> list:
+    """Flat gradient shards (stages 1/2) times `logical_clip_factors`' factors of their group: a scalar, or one
+    per variable (the padding elements, zero, keep factor 1)."""
+    out = []
+    for s, sid, device, f in zip(shards, shard_ids, devices, factors):
+        with tf.device(device):
+            f = tf.cast(f, s.dtype)
+            if f.shape.rank:
+                f = tf.gather(tf.concat([f, tf.ones([1], s.dtype)], 0), tf.constant(layout.segment_ids(sid)))
+            out.append(s * f)
+    return out
+
+
+def scale_pieces(devices: list, grads: list, factors: list) -> list:
+    """Per-variable gradient pieces (`grads[i][j]`, stage 3) times their group's factors (scalar or per variable)."""
+    out = []
+    for row, device, f in zip(grads, devices, factors):
+        with tf.device(device):
+            out.append([g * tf.cast(f if f.shape.rank == 0 else f[j], g.dtype) for j, g in enumerate(row)])
+    return out

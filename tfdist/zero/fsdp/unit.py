@@ -1,0 +1,241 @@
+"""FsdpUnit: one layer whose sharded weights are all-gathered for its forward, again for its backward,
+and whose weight gradients are reduce-scattered into the replicas' pieces (ZeRO stage 3)."""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfdist.zero.fsdp import _keras as fsdp_keras
+from tfdist._compat.captured_inputs import differentiable_captures
+from tfdist.zero.collectives import ShardCollectives
+from tfdist.zero.fsdp.param import FsdpParam, current_unit
+
+__all__ = ["FsdpUnit"]
+
+
+class FsdpUnit:
+    """Wraps one layer instance's `call` (the layer keeps its class and config).
+
+    In a replica of a training step the wrapped call is a `tf.custom_gradient` block whose inputs are
+    the layer's inputs, this replica's pieces of the layer's weights and the current values of its
+    other variables (moving statistics, seeds). Forward: one all-gather of the unit's pieces, the
+    stock call with every weight bound to the gathered tensors (`keras.StatelessScope`), the gathered
+    tensors then have no consumer left and are freed (unless `reshard_after_forward=False`, which
+    keeps them for the backward instead of gathering again). Backward: all-gather again, recompute the
+    forward under a GradientTape (as `tf.recompute_grad` does, so the unit's activations are not kept
+    either), then one reduce-scatter of the weight gradients: each replica gets the sum over replicas
+    of its own piece, the gradient of its piece variable. Updates of the other variables (BatchNorm's
+    moving statistics) happen once, after the forward, as in stock Keras.
+
+    Outside a replica (symbolic builds, eager calls in cross-replica context) the stock call runs and
+    reading a weight assembles it in full.
+
+    Example:
+        >>> # zero_stage=3 on 4 replicas, Sequential([Input((8,)), Dense(16), Dense(10)]), after one fit
+        >>> engine = tfdist.zero.engine_of(model)
+        >>> [(u.layer.name, u.gathered_bytes) for u in engine.units]   # padded to 4 pieces, float32
+        [('dense', 576), ('dense_1', 688)]
+    """
+
+    def __init__(self, layer, params: list[tuple[keras.Variable, FsdpParam]], comm: ShardCollectives,
+                 reshard_after_forward: bool = True, prefetch: bool = False,
+                 comms: list[ShardCollectives] | None = None):
+        self.layer, self.params, self.comm = layer, params, comm
+        # `comms[j]`: the collectives of params[j]'s pieces (under tensor parallelism a unit's weights live on
+        # several device groups, one per position on the model axis); by default all `comm`. One all-gather and
+        # one reduce-scatter per group, all in one merge_call.
+        comms = list(comms) if comms is not None else [comm] * len(params)
+        groups: dict[int, tuple[ShardCollectives, list[int]]] = {}
+        for j, c in enumerate(comms):
+            groups.setdefault(id(c), (c, []))[1].append(j)
+        self.groups = list(groups.values())
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.name = layer.name
+        self.stock_call = fsdp_keras.original_call(layer)
+        sharded = {id(v) for v, _ in params}
+        self.others = [v for v in layer.variables if id(v) not in sharded]
+        self.piece_sizes = [p.piece_size for _, p in params]
+        for _, p in params:
+            p.owner = p.owner or layer.name
+        fsdp_keras.set_call(layer, self.call)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the unit's weights while gathered (padded), on each replica."""
+        return sum(p.piece_size * p.num_shards * p.dtype.size for _, p in self.params)
+
+    def call(self, *args, **kwargs):
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or not tf.distribute.has_strategy():
+            return self._run_stock(args, kwargs)
+        replica = fsdp_keras.local_replica_index(ctx)
+        pieces = [p.components[replica].read_value() for _, p in self.params]  # recorded: the tape's sources
+        others = [tf.convert_to_tensor(v) for v in self.others]
+        leaves = tf.nest.flatten((args, kwargs))
+        at = [k for k, x in enumerate(leaves) if tf.is_tensor(x)]
+        xs = [leaves[k] for k in at]
+        nx, npieces = len(xs), len(pieces)
+        shape: dict = {}
+
+        def run(weights, values, inputs):
+            filled = list(leaves)
+            for k, x in zip(at, inputs):
+                filled[k] = x
+            a, kw = tf.nest.pack_sequence_as((args, kwargs), filled)
+            mapping = [(v, w) for (v, _), w in zip(self.params, weights)] + list(zip(self.others, values))
+            current_unit().append(self.name)
+            try:
+                # A split layer's per-device blocks (custom gradients) read the weights by closure: they must
+                # still differentiate them.
+                with keras.StatelessScope(state_mapping=mapping) as scope, differentiable_captures(weights):
+                    out = self.stock_call(*a, **kw)
+            finally:
+                current_unit().pop()
+            updated = [(v, scope.get_current_value(v)) for v, old in zip(self.others, values)]
+            return out, [(v, new) for (v, new), old in zip(updated, values) if new is not None and new is not old]
+
+        @tf.custom_gradient
+        def block(*flat):
+            inputs, mine, values = flat[:nx], flat[nx:nx + npieces], flat[nx + npieces:]
+            # Gather when the inputs exist, not earlier: with no data dependency TF would run every
+            # unit's all-gather at the start of the step and hold all parameters at once.
+            gathered = self._gather(ctx, mine, after=self._issue_after("forward", inputs))
+            out, updates = run(gathered, values, inputs)
+            outs = tf.nest.flatten(out)
+            shape.update(out=out, n=len(outs), updated=[v for v, _ in updates])
+
+            def grad(*dys):
+                if self.reshard_after_forward:  # gathered again, at its backward
+                    weights = self._gather(ctx, mine, after=self._issue_after(
+                        "backward", [d for d in dys if d is not None]))
+                else:  # the forward's tensors, kept alive until here by this use
+                    weights = [tf.identity(w) for w in gathered]
+                # New tensors for the recompute: a layer that caches its output per input tensor (tensor
+                # parallelism's fused query/key/value projections) must compute again, under this tape.
+                fresh = [_fresh(x) for x in inputs]
+                floats = [x for x in fresh if x.dtype.is_floating]
+                with tf.GradientTape() as tape:
+                    tape.watch(floats + weights)
+                    again, _ = run(weights, values, fresh)
+                again = tf.nest.flatten(again)
+                dys = [tf.zeros_like(o) if d is None else d for o, d in zip(again, dys[:len(again)])]
+                grads = tape.gradient(again, floats + weights, output_gradients=dys,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                by_input = iter(grads[:len(floats)])
+                dx = [next(by_input) if x.dtype.is_floating else None for x in inputs]
+                return dx + self._reduce_scatter(ctx, grads[len(floats):]) + [None] * len(values)
+
+            return outs + [new for _, new in updates], grad
+
+        result = block(*xs, *pieces, *others)
+        for v, new in zip(shape["updated"], result[shape["n"]:]):
+            v.assign(new)
+        return tf.nest.pack_sequence_as(shape["out"], result[:shape["n"]])
+
+    def _issue_after(self, phase: str, mine: list) -> list:
+        """What this unit's all-gather waits for: its own inputs (forward) or output gradients
+        (backward); with prefetch, those of the unit that ran just before it in this phase of this
+        trace instead, so the gather overlaps that unit's compute (DeepSpeed's and FSDP's prefetch of
+        the next unit in execution order) and at most two units' weights are gathered at once."""
+        graph = tf.compat.v1.get_default_graph()
+        previous = _last.get(phase)
+        _last[phase] = (graph, list(mine))
+        if self.prefetch and previous is not None and previous[0] is graph and previous[1]:
+            return previous[1]
+        return list(mine)
+
+    def _run_stock(self, args, kwargs):
+        current_unit().append(self.name)
+        try:
+            return self.stock_call(*args, **kwargs)
+        finally:
+            current_unit().pop()
+
+    # --- collectives (replica context: one merge_call each, the replicas' values meet there) ---------
+    def _gather(self, ctx, pieces, after=()) -> list[tf.Tensor]:
+        """This replica's full weights from every replica's pieces: per device group, one all-gather of the
+        concatenation of its pieces, issued only once the tensors `after` exist."""
+        with tf.control_dependencies(list(after)):
+            local = [tf.concat([pieces[j] for j in js], 0) if len(js) > 1 else tf.identity(pieces[js[0]])
+                     for _, js in self.groups]
+        fulls = ctx.merge_call(self._merge_gather, args=tuple(local))
+        out = [None] * len(self.params)
+        for full, (comm, js) in zip(fulls, self.groups):
+            sizes = [self.piece_sizes[j] for j in js]
+            rows, start = tf.reshape(full, [comm.num_shards, sum(sizes)]), 0
+            for j, k in zip(js, sizes):
+                p = self.params[j][1]
+                flat = tf.reshape(rows[:, start:start + k], [-1])[:p.size]
+                out[j] = tf.reshape(flat, p.shape)
+                start += k
+        return out
+
+    def _merge_gather(self, strategy, *local):
+        return tuple(_per_replica(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
+                                  min(comm.shard_ids)) for x, (comm, _) in zip(local, self.groups))
+
+    def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
+        """This replica's pieces of the sum over replicas of the weight gradients."""
+        chunks = []
+        for comm, js in self.groups:
+            n, flats = comm.num_shards, []
+            for j in js:
+                p, k = self.params[j][1], self.piece_sizes[j]
+                flat = tf.reshape(tf.cast(grads[j], p.dtype), [-1])
+                flats.append(tf.pad(flat, [[0, n * k - p.size]]) if n * k > p.size else flat)
+            # One chunk per destination replica (its pieces of the group's weights), built straight from the
+            # gradients: one unit-sized copy in flight next to the gradient itself.
+            for r in range(n):
+                parts = [f[r * self.piece_sizes[j]:(r + 1) * self.piece_sizes[j]] for f, j in zip(flats, js)]
+                chunks.append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
+        mine = ctx.merge_call(self._merge_reduce_scatter, args=tuple(chunks))
+        out = [None] * len(self.params)
+        for summed, (_, js) in zip(mine, self.groups):
+            sizes = [self.piece_sizes[j] for j in js]
+            for j, g in zip(js, tf.split(summed, sizes) if len(js) > 1 else [summed]):
+                out[j] = g
+        return out
+
+    def _merge_reduce_scatter(self, strategy, *chunks):
+        out, at = [], 0
+        for comm, _ in self.groups:
+            n = comm.num_shards
+            local = [strategy.experimental_local_results(c) for c in chunks[at:at + n]]  # [destination][replica]
+            at += n
+            out.append(_per_replica(strategy, comm.reduce_scatter(
+                [[local[r][i] for r in range(n)] for i in range(len(comm.devices))]), min(comm.shard_ids)))
+        return tuple(out)
+
+
+class _LastIssued(threading.local):
+    """Per thread (each replica traces in its own): the graph and tensors the last unit's gather of
+    each phase waited for."""
+
+    def __init__(self):
+        self.by_phase: dict = {}
+
+    def get(self, phase):
+        return self.by_phase.get(phase)
+
+    def __setitem__(self, phase, value):
+        self.by_phase[phase] = value
+
+
+_last = _LastIssued()
+
+
+def _fresh(x: tf.Tensor) -> tf.Tensor:
+    """A new tensor equal to `x`, where `x` is."""
+    with tf.device(x.device):
+        return tf.identity(x)
+
+
+def _per_replica(strategy, values: list, first: int):
+    """Local replica i (global replica `first + i`) gets values[i] back from a merge_call. `first` is this process's
+    first global replica: the smallest of the group's local shard ids, which are this process's replicas in some
+    order (across processes a group's shard ids follow TF's rank of its devices, not the local replica order)."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: values[ctx.replica_id_in_sync_group - first])
