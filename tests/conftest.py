@@ -58,3 +58,43 @@ def slurm(tmp_path_factory):
         yield harness
     finally:
         harness.stop()  # every daemon by PID, namespaces removed, even when a test failed
+
+
+# --- tiers ------------------------------------------------------------------------------------------------
+# Every test is in-process unless marked: `slow` (starts processes or runs long), `horovod` (needs the Horovod
+# build), `root` (starts daemons, network namespaces or cgroups). `make quick` deselects all three. The two
+# resource markers are read from what a test (and its module's helpers) names, so a new test is tiered without
+# anyone remembering to; a test that needs neither but names them is only skipped where they are missing.
+_HOROVOD_WORDS = ("horovod", "hvd.", "mpirun", "mpi4py")
+_ROOT_WORDS = ("slurm", "cgroup", "emulatednetwork", "emulated_network", "link_rate", "netns", "geteuid")
+
+
+def _source_of(item) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(item.function).lower()
+    except (OSError, TypeError, AttributeError):
+        return ""
+
+
+def _uses(item, words) -> bool:
+    text = _source_of(item) + " " + " ".join(item.fixturenames).lower()
+    return any(word in text for word in words)
+
+
+def _horovod_built() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("horovod") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    have_horovod = _horovod_built()
+    for item in items:
+        if _uses(item, _HOROVOD_WORDS):
+            item.add_marker(pytest.mark.horovod)
+            if not have_horovod:
+                item.add_marker(pytest.mark.skip(reason="needs the Horovod build: make horovod"))
+        if _uses(item, _ROOT_WORDS):
+            item.add_marker(pytest.mark.root)
