@@ -171,9 +171,9 @@ def _worker(argv: list[str]) -> int:
     strategy = tfdist.MultiWorkerMirroredStrategy(communication="ring", timeout_s=300)  # first: before any op
     import tensorflow as tf
 
-    from tfdist._compat.ring import ring_pieces
     from benchmarks.common import bus_bandwidth, interleaved
     from benchmarks.rounds import spread
+    from tfdist._compat.ring import ring_pieces
 
     n = tfdist.cluster.world_size(strategy)
     device = strategy.extended.worker_devices[0]

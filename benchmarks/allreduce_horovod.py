@@ -312,8 +312,8 @@ def run_links(args: argparse.Namespace) -> dict:
     network namespace), one run per rate, with raw TCP over the same link as the ceiling. Writes JSON, returns it."""
     import statistics
 
-    from benchmarks.allreduce_tcp import tcp_both_ways
     from benchmarks.allreduce_plot import plot, png_path
+    from benchmarks.allreduce_tcp import tcp_both_ways
     from benchmarks.common import bus_bandwidth, machine, write_json
     from tfdist.cluster.emulated_network import parse_rate, tbf_burst_bytes
 

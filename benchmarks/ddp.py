@@ -75,9 +75,9 @@ def _wire_bytes(devices, batch_size: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     import tfdist
-    from tfdist._compat.tf_runtime import executed_partition_devices
     from benchmarks.common import machine, write_json
     from benchmarks.ddp_trace import overlap_by_step, profile
+    from tfdist._compat.tf_runtime import executed_partition_devices
     from tfdist.errors import ConfigError
 
     if args.replicas < 2 or args.steps < 1 or not args.bucket_cap_mb > 0:

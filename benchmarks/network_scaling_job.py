@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from tfdist._compat.tf_runtime import executed_partition_devices
     from benchmarks.ddp_trace import overlap_by_step, profile
     from benchmarks.thread_cpu import seconds_by_group, snapshot
+    from tfdist._compat.tf_runtime import executed_partition_devices
     from tfdist.data_parallel.powersgd import PowerSGD
 
     rank, nodes = tfdist.cluster.rank(strategy), tfdist.cluster.world_size(strategy)

@@ -187,7 +187,7 @@ def test_a_silent_coordination_leader_is_named():
     # What worker 1 gets when worker 0 (the coordination leader) is stopped: its heartbeat RPC times out.
     import tensorflow as tf
 
-    from tfdist.cluster.faults import lost_worker_error
+    from tfdist.comm.faults import lost_worker_error
     from tfdist.comm.tf_config import parse_tf_config
 
     cluster = {"worker": ["localhost:1111", "localhost:2222"]}

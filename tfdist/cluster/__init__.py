@@ -9,7 +9,6 @@ from tfdist.cluster.slurm import RankInfo, SlurmCluster, in_slurm_step
 
 # Names loaded on first use (some import TensorFlow): `import tfdist.cluster` stays light.
 _LAZY = {
-    "WorkerLostError": "tfdist.cluster.faults",
     "launch": "tfdist.cluster.launcher",
     "list_devices": "tfdist.cluster.global_devices",
     "parse_tf_config": "tfdist.comm.tf_config",

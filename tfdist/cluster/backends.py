@@ -8,8 +8,8 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 
-from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.cluster.ports import free_ports
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.errors import ConfigError
 
 __all__ = ["GlooBackend", "TFConfigBackend", "make_tf_configs", "ps_job_tasks"]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import socket
-import time
 
-__all__ = ["free_ports", "port_open", "silent_after"]
+__all__ = ["free_ports"]
 
 
 def free_ports(n: int) -> list[int]:
@@ -27,27 +26,3 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def port_open(address: str, timeout_s: float = 0.5) -> bool:
-    """True when something accepts TCP connections at 'host:port'."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-
-def silent_after(addresses: list, timeout_s: float, address_of=lambda a: a) -> list:
-    """Polls until every address accepts connections or `timeout_s` passes; returns the ones still silent.
-
-    `address_of(item)` gives the 'host:port' of each item (the items themselves by default)."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(addresses)
-    while pending and time.monotonic() < deadline:
-        pending = [item for item in pending if not port_open(address_of(item))]
-        if pending:
-            time.sleep(0.2)
-    return pending

@@ -39,8 +39,10 @@ CPU_FUSION_THRESHOLD_MB = 1.0
 
 
 def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = True,
-                 cycle_time_ms: float | None = None):
-    """Initialises Horovod once per process and returns `horovod.tensorflow`.
+                 cycle_time_ms: float | None = None, dynamic_process_sets: bool = False,
+                 stall_timeout_s: float | None = None):
+    """Initialises Horovod once per process and returns `horovod.tensorflow`: the one place tfdist calls
+    `hvd.init()` (HorovodStrategy, a mesh over Horovod ranks and `tfdist.comm.init` all come here).
 
     `fusion_threshold_mb` sets HOROVOD_FUSION_THRESHOLD (the size of Horovod's fusion buffer: small
     gradients travel together in one all-reduce up to this size); `cycle_time_ms` sets HOROVOD_CYCLE_TIME
@@ -48,6 +50,11 @@ def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = T
     all-reduce start sooner, at the price of an idle thread that wakes up more often). Both are read by
     `hvd.init()`, so they only apply to the first initialisation in a process; a different explicit value
     later raises (`fusion_threshold_mb` when `explicit`, `cycle_time_ms` whenever given).
+
+    `dynamic_process_sets` lets process sets be added later (`hvd.add_process_set`: groups of `tfdist.comm`, a
+    mesh's rows); `stall_timeout_s` sets HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (unless the environment does), so a
+    collective some rank never joins ends Horovod with an error instead of hanging. Both apply only when this
+    call initialises Horovod.
     """
     if fusion_threshold_mb is not None and fusion_threshold_mb < 0:
         raise ConfigError(f"fusion_threshold_mb must be >= 0 (0 turns fusion off), got {fusion_threshold_mb!r}.")
@@ -73,7 +80,13 @@ def init_horovod(fusion_threshold_mb: float | None = None, *, explicit: bool = T
         return hvd
     for var, (_, _, wanted, _) in settings.items():
         os.environ[var] = wanted
-    hvd.init()
+    if stall_timeout_s is not None:
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(stall_timeout_s))))
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(min(stall_timeout_s / 2, 60)))))
+    if dynamic_process_sets:
+        hvd.init(process_sets="dynamic")
+    else:
+        hvd.init()
     return hvd
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.comm._horovod_sets import registered_process_set
-from tfdist.comm.horovod import horovod
+from tfdist.comm.horovod import init_horovod
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
 from tfdist.errors import ConfigError
@@ -52,11 +52,7 @@ class HorovodBackend(Backend):
 
     def __init__(self, timeout_s: float):
         self.timeout_s = float(timeout_s)
-        hvd = self._hvd = horovod()
-        if not hvd.is_initialized():
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(self.timeout_s))))
-            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(min(self.timeout_s / 2, 60)))))
-            hvd.init(process_sets="dynamic")
+        hvd = self._hvd = init_horovod(explicit=False, dynamic_process_sets=True, stall_timeout_s=self.timeout_s)
         self._dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()

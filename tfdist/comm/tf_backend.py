@@ -1,5 +1,5 @@
 """The TensorFlow backend of `tfdist.comm`: TF's V2 collective ops between the processes of a TF_CONFIG
-cluster (ranks: chief first, then workers), started by `tf_server.start_server`.
+cluster (ranks: chief first, then workers), started by `runtime.start_server`.
 
 - all_reduce: `CollectiveReduceV2` (merge Add/Mul/Max/Min);
 - all_gather: `CollectiveGatherV2` (equal shapes; the API pads per-rank first dimensions);
@@ -28,8 +28,8 @@ from tfdist._compat.distribute import COMM_KEY_BASE
 from tfdist._compat.ring import RING_MAX_SUBDIVS
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
+from tfdist.comm.runtime import start_server
 from tfdist.comm.tf_config import MULTI_WORKER_JOBS, ClusterConfig
-from tfdist.comm.tf_server import start_server
 
 __all__ = ["PAIR_KEY_BASE", "WORLD_KEY", "TFBackend"]
 

@@ -35,8 +35,8 @@ import tensorflow as tf
 from tfdist._compat.distribute import first_global_replica_id
 from tfdist._compat.tf_runtime import outside_any_strategy
 from tfdist.data_parallel._uneven_input import UNKNOWN, joining, local_steps
-from tfdist.errors import ConfigError
 from tfdist.data_parallel.uneven_lookahead import with_lookahead
+from tfdist.errors import ConfigError
 
 __all__ = ["MODES", "UnevenData", "agreed_steps", "check_mode"]
 

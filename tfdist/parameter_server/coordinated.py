@@ -25,9 +25,9 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.parameter_server._tf_sharded import atomic_updates, sharded_gradients
 from tfdist.errors import ConfigError
 from tfdist.parameter_server import sharded_embedding
+from tfdist.parameter_server._tf_sharded import atomic_updates, sharded_gradients
 from tfdist.parameter_server.per_worker_data import PerWorkerDataset
 
 __all__ = ["ParameterServerLost", "ScheduledSteps", "attach"]

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfdist.parameter_server._tf_sharded import DataAdapter
 from tfdist.errors import ConfigError
+from tfdist.parameter_server._tf_sharded import DataAdapter
 
 __all__ = ["PerWorkerDataset", "as_dataset_fn"]
 

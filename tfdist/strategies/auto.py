@@ -12,8 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tfdist.comm.launch_env import LAUNCHERS
 from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
+from tfdist.comm.launch_env import LAUNCHERS
 from tfdist.errors import ConfigError
 from tfdist.strategies.factory import strategy_class
 

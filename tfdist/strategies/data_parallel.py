@@ -12,13 +12,13 @@ import tensorflow as tf
 
 from tfdist import zero
 from tfdist._compat import keras_optimizer
-from tfdist.data_parallel import _no_sync as grad_accumulate
 from tfdist._compat.keras_model import model_of_step, step_objects
+from tfdist.data_parallel import _no_sync as grad_accumulate
 from tfdist.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
 from tfdist.data_parallel.comm_hooks import hook_from
-from tfdist.zero.collectives import ShardCollectives
-from tfdist.errors import ConfigError
 from tfdist.data_parallel.uneven import UnevenData, check_mode
+from tfdist.errors import ConfigError
+from tfdist.zero.collectives import ShardCollectives
 
 __all__ = ["DataParallel"]
 

@@ -9,9 +9,6 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist.data_parallel._fused_flags import with_step_flags
-from tfdist.data_parallel._grad_path import with_gradient_path
-from tfdist.comm.launch_env import launched_by, local_device_count
 from tfdist.comm.horovod import (
     CPU_FUSION_THRESHOLD_MB,
     HorovodAllReduce,
@@ -19,11 +16,14 @@ from tfdist.comm.horovod import (
     init_horovod,
 )
 from tfdist.comm.horovod_group import HorovodGroup
+from tfdist.comm.launch_env import launched_by, local_device_count
+from tfdist.data_parallel._fused_flags import with_step_flags
+from tfdist.data_parallel._grad_path import with_gradient_path
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
+from tfdist.data_parallel.uneven import check_mode
 from tfdist.devices import process_devices
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
-from tfdist.data_parallel.input_reuse import ReusedInputIterators
-from tfdist.data_parallel.uneven import check_mode
 
 __all__ = ["HorovodStrategy", "launched_by"]
 

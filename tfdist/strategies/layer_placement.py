@@ -12,15 +12,15 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.devices import resolve_devices
 from tfdist.errors import ConfigError
-from tfdist.pipeline.layer_call import colocate_with_inputs, place_layer_call
-from tfdist.pipeline.migrate import move_model_variables
 from tfdist.pipeline.balance import measure_stage_costs
+from tfdist.pipeline.layer_call import colocate_with_inputs, place_layer_call
 from tfdist.pipeline.microbatches import check_batch, pipeline_model_call
+from tfdist.pipeline.migrate import move_model_variables
 from tfdist.pipeline.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 from tfdist.pipeline.streams import StageStreams
-from tfdist.data_parallel.input_reuse import ReusedInputIterators
 
 __all__ = ["LayerPlacementStrategy"]
 

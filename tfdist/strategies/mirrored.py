@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist.data_parallel._grad_path import with_gradient_path
 from tfdist.comm import cross_device_ops_from
-from tfdist.zero.collectives import LocalCollectives
+from tfdist.data_parallel._grad_path import with_gradient_path
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.devices import resolve_devices
 from tfdist.strategies.data_parallel import DataParallel
-from tfdist.data_parallel.input_reuse import ReusedInputIterators
+from tfdist.zero.collectives import LocalCollectives
 
 __all__ = ["MirroredStrategy"]
 

@@ -7,19 +7,18 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist._compat import tf_runtime
+from tfdist.comm.launch_env import local_device_count
+from tfdist.comm.peers import cluster_config_of
+from tfdist.comm.runtime import join_tf_job
+from tfdist.comm.tf_config import ClusterConfig
 from tfdist.data_parallel._fused_flags import with_step_flags
 from tfdist.data_parallel._grad_path import with_gradient_path
-from tfdist.comm.launch_env import local_device_count
-from tfdist.cluster.faults import install_excepthook, startup_watchdog
-from tfdist.cluster.peers import cluster_config_of, startup_error, wait_for_peers
-from tfdist.comm.tf_config import ClusterConfig
-from tfdist.zero.collectives import LocalCollectives
-from tfdist.devices import kind_and_indices, process_devices
-from tfdist.errors import ConfigError, InitOrderError, check_seconds
-from tfdist.strategies.data_parallel import DataParallel
 from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.data_parallel.uneven import check_mode
+from tfdist.devices import kind_and_indices, process_devices
+from tfdist.errors import ConfigError, check_seconds
+from tfdist.strategies.data_parallel import DataParallel
+from tfdist.zero.collectives import LocalCollectives
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 
@@ -131,37 +130,18 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         if communication not in _COMMUNICATION:
             raise ConfigError(f"communication must be one of {sorted(_COMMUNICATION)}, got {communication!r}.")
         self.timeout_s = check_seconds(timeout_s, "timeout_s")
-        heartbeat_s = min(self.timeout_s, 20.0) if heartbeat_s is None else float(heartbeat_s)
         config = self._cluster_config = cluster_config_of(cluster_resolver)
         if local_devices is None:
             local_devices = local_device_count()  # from `tfdist launch --devices-per-worker M`
         kind, indices = kind_and_indices(process_devices(local_devices, parameter="local_devices"))
-        if tf_runtime.context_initialized():
-            raise InitOrderError(
-                "tfdist.MultiWorkerMirroredStrategy must be created before TensorFlow initialises (before "
-                "any tensor, model, dataset or tf.config.list_logical_devices() call): collective ops can "
-                "only be configured at program start. Create the strategy first thing in the script; in a "
-                "notebook, run the workers as subprocesses (tfdist launch).")
-        multi = config is not None and config.num_workers > 1
-        if multi:
-            chief = "chief" if "chief" in config.cluster else "worker"
-            tf_runtime.configure_coordination(
-                f"/job:{chief}/replica:0/task:0",
-                {job: len(config.cluster[job]) for job in ("chief", "worker") if job in config.cluster},
-                register_timeout_s=self.timeout_s, heartbeat_timeout_s=heartbeat_s, shutdown_timeout_s=self.timeout_s)
-            if config.is_chief:  # the coordination leader; the others are bounded by TF's register timeout
-                wait_for_peers(config, self.timeout_s)
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=_COMMUNICATION[communication], timeout_seconds=self.timeout_s)
-        # TF's coordination leader waits for missing peers without a deadline: bound it from outside.
-        with startup_watchdog(self.timeout_s + 15.0, lambda: str(self._startup_error(None))):
-            try:
-                extended = with_gradient_path(with_step_flags(tf_distribute.CollectiveExtended))
-                tf_distribute.init_strategy(self, lambda: extended(self, cluster_resolver, options, kind, indices,
-                                                                    ring_piece_bytes))
-            except (tf.errors.OpError, RuntimeError) as err:
-                raise self._startup_error(err) from None
-        install_excepthook(config)
+        extended = with_gradient_path(with_step_flags(tf_distribute.CollectiveExtended))
+        join_tf_job(config, lambda: tf_distribute.init_strategy(
+                        self, lambda: extended(self, cluster_resolver, options, kind, indices, ring_piece_bytes)),
+                    timeout_s=self.timeout_s, heartbeat_s=heartbeat_s, who="tfdist.MultiWorkerMirroredStrategy must be created",
+                    fix="Create the strategy first thing in the script; in a notebook, run the workers as "
+                        "subprocesses (tfdist launch).")
         self._register_sharding(self._shard_collectives, host_device=self._host_device())
         self._attach_uneven_data(uneven_data, fused=True)  # TF sums the gradients' float32 pack exactly
         self._attach_gradient_path(bucket_cap_mb)  # the flags then ride along with the first float32 bucket
@@ -191,10 +171,6 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
 
             return TFShardCollectives(self, timeout_s=self.timeout_s)
         return LocalCollectives(list(self.extended.worker_devices))  # one worker: plain device copies
-
-    def _startup_error(self, err: Exception | None) -> Exception:
-        config = self._cluster_config
-        return err if config is None else startup_error(config, self.timeout_s, err)
 
 
 def _check_ring_piece(ring_piece_mb: float | None) -> int | None:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.parameter_server import _tf_sharded as ps_compat
-from tfdist.cluster.ports import silent_after
+from tfdist.comm.peers import silent_after
 from tfdist.errors import ConfigError
+from tfdist.parameter_server import _tf_sharded as ps_compat
 from tfdist.parameter_server import coordinated
 
 __all__ = ["ParameterServerStrategy"]

@@ -9,8 +9,16 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tfdist.tensor_parallel.ops import (copy_to_shards, gather_from_shards, on_device, on_device_many,
-                                                  reduce_from_shards, remember_shards, shards_of, split_to_shards)
+from tfdist.tensor_parallel.ops import (
+    copy_to_shards,
+    gather_from_shards,
+    on_device,
+    on_device_many,
+    reduce_from_shards,
+    remember_shards,
+    shards_of,
+    split_to_shards,
+)
 from tfdist.tensor_parallel.span import gathers_lazily, logical_value, position, row_size
 
 __all__ = ["einsum_column", "einsum_row", "fuse_projections", "layer_split_axis", "set_split_axis"]

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat.distribute import devices_of, local_values
 from tfdist.comm._horovod_sets import registered_process_set
-from tfdist.comm.horovod import horovod
+from tfdist.comm.horovod import init_horovod
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodMeshAllReduce", "HorovodRow", "init_mesh_horovod", "process_set"]
@@ -38,12 +38,7 @@ __all__ = ["HorovodMeshAllReduce", "HorovodRow", "init_mesh_horovod", "process_s
 def init_mesh_horovod(timeout_s: float):
     """`horovod.tensorflow`, initialised once per process with dynamic process sets; HOROVOD_STALL_SHUTDOWN_TIME_
     SECONDS = `timeout_s` (a collective some rank never joins ends Horovod with an error instead of hanging)."""
-    hvd = horovod()
-    if not hvd.is_initialized():
-        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, int(timeout_s))))
-        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, int(min(timeout_s / 2, 60)))))
-        hvd.init(process_sets="dynamic")
-    return hvd
+    return init_horovod(explicit=False, dynamic_process_sets=True, stall_timeout_s=timeout_s)
 
 
 def process_set(hvd, ranks: Sequence[int]):

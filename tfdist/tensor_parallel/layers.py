@@ -15,8 +15,15 @@ import keras
 import tensorflow as tf
 
 from tfdist.tensor_parallel.einsum import einsum_column, einsum_row, set_split_axis
-from tfdist.tensor_parallel.ops import (copy_to_shards, gather_from_shards, on_device, reduce_from_shards,
-                                                  remember_shards, shards_of, split_to_shards)
+from tfdist.tensor_parallel.ops import (
+    copy_to_shards,
+    gather_from_shards,
+    on_device,
+    reduce_from_shards,
+    remember_shards,
+    shards_of,
+    split_to_shards,
+)
 from tfdist.tensor_parallel.span import gathers_lazily, logical_value, position, row_of, row_size
 
 __all__ = ["KINDS", "bias_part", "split_layer_call"]

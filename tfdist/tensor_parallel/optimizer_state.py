@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from tfdist.tensor_parallel import _keras_layers as tp_compat
 from tfdist.errors import ConfigError
+from tfdist.tensor_parallel import _keras_layers as tp_compat
 from tfdist.tensor_parallel.span import gather_value
 
 __all__ = ["first_copy_device", "keep_logical_optimizer_saving", "logical_keys"]

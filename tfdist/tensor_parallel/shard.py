@@ -11,15 +11,15 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.tensor_parallel import _keras_layers as tp_compat
 from tfdist.errors import ConfigError
-from tfdist.tensor_parallel.layout_map import LayoutMap
+from tfdist.tensor_parallel import _keras_layers as tp_compat
 from tfdist.tensor_parallel.einsum import fuse_projections
 from tfdist.tensor_parallel.layers import split_layer_call
-from tfdist.tensor_parallel.span import RowSpan, gather_lazily, gather_value, row_size, span_of
+from tfdist.tensor_parallel.layout_map import LayoutMap
 from tfdist.tensor_parallel.optimizer_state import first_copy_device, keep_logical_optimizer_saving
 from tfdist.tensor_parallel.passing import pass_shards_through, split_attention
 from tfdist.tensor_parallel.rules import layer_kind, split_axis
+from tfdist.tensor_parallel.span import RowSpan, gather_lazily, gather_value, row_size, span_of
 
 __all__ = ["ShardPlan", "SplitLayer", "keep_logical_optimizer_saving", "places_itself", "shard_model"]
 

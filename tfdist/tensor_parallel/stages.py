@@ -30,11 +30,11 @@ import tensorflow as tf
 from tfdist._compat import keras_model
 from tfdist.errors import ConfigError
 from tfdist.pipeline.layer_call import place_layer_call
-from tfdist.tensor_parallel.layout_map import LayoutMap
-from tfdist.pipeline.migrate import move_model_variables
 from tfdist.pipeline.microbatches import pipeline_model_call
+from tfdist.pipeline.migrate import move_model_variables
 from tfdist.pipeline.plan import BALANCE_BY, StagePlan, describe_model, make_plan
 from tfdist.pipeline.streams import StageStreams
+from tfdist.tensor_parallel.layout_map import LayoutMap
 from tfdist.tensor_parallel.shard import ShardPlan, places_itself, shard_model
 
 __all__ = ["StageOptions", "StagedShardPlan", "check_stage_placement", "shard_stages"]

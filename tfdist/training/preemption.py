@@ -23,7 +23,8 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.cluster.rank import is_chief as chief_of, world_size
+from tfdist.cluster.rank import is_chief as chief_of
+from tfdist.cluster.rank import world_size
 from tfdist.cluster.requeue import requeue_job
 from tfdist.errors import ConfigError
 

@@ -21,9 +21,9 @@ import tensorflow as tf
 from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.zero.config import ZeroConfig, check_unit_bytes
-from tfdist.zero.stage0_update import SummedGradientUpdate
 from tfdist.zero.engine import ZeroEngine, tf_variable
 from tfdist.zero.fsdp.engine import enable_stage3
+from tfdist.zero.stage0_update import SummedGradientUpdate
 
 __all__ = ["building_optimizers", "configure_stage3", "cross_process_engine",
            "engine_of", "gathered_state", "register_engine", "register_strategy"]

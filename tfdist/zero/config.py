@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 
-from tfdist.zero.collectives import ShardCollectives
 from tfdist.errors import ConfigError
+from tfdist.zero.collectives import ShardCollectives
 
 __all__ = ["SUPPORTED_STAGES", "ZeroConfig", "check_options", "check_stage3_options", "check_unit_bytes",
            "check_stage", "refusal", "register_elementwise",

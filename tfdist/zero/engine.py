@@ -13,8 +13,8 @@ from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.zero.flat_layout import FlatLayout
-from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 from tfdist.zero.owned_slots import SlotShards
+from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
 __all__ = ["ZeroEngine", "overwrite_every"]
 

@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator, Sequence
 import tensorflow as tf
 
 from tfdist._compat import keras_optimizer
-from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import logical_clip_factors
+from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.zero.config import ZeroConfig
-from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 from tfdist.zero.engine import ZeroEngine, tf_variable
+from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
 __all__ = ["GroupedZeroEngine"]
 

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from tfdist._compat import keras_optimizer
 from tfdist._compat.distribute import regroup_per_replica
-from tfdist.zero.collectives import LocalCollectives
 from tfdist.zero.clipping import clip_pieces, logical_clip_factors
+from tfdist.zero.collectives import LocalCollectives
 from tfdist.zero.engine import overwrite_every, tf_variable
 
 __all__ = ["RowNorms", "SummedGradientUpdate"]

@@ -25,12 +25,12 @@ from collections.abc import Mapping
 
 import tensorflow as tf
 
-from tfdist.tensor_parallel._tf_rows import RowsExtended, SpanExtended, SpanRowsExtended
 from tfdist.comm.horovod_group import HorovodGroup
 from tfdist.comm.launch_env import launcher_of
 from tfdist.comm.tf_config import ClusterConfig, tf_config_from_env
 from tfdist.devices import process_devices
 from tfdist.errors import ConfigError
+from tfdist.tensor_parallel._tf_rows import RowsExtended, SpanExtended, SpanRowsExtended
 from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task
 from tfdist.tensor_parallel.span import RowSpan
 
@@ -61,8 +61,8 @@ def choose_backend(backend: str, environ: Mapping[str, str] | None = None) -> st
 def horovod_rows(grid, timeout_s: float, environ: Mapping[str, str] | None = None):
     """This process's share of a mesh across Horovod ranks (a `ProcessRows` whose devices are local names), or
     None for a mesh of local devices in a job of one process. Starts Horovod (dynamic process sets)."""
-    from tfdist.tensor_parallel.horovod_mesh import init_mesh_horovod
     from tfdist.strategies.model_parallel.processes import process_rows
+    from tfdist.tensor_parallel.horovod_mesh import init_mesh_horovod
 
     flat = [d for row in grid for d in row]
     hvd = init_mesh_horovod(timeout_s)

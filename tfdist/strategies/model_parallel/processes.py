@@ -22,8 +22,16 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist._compat import distribute as tf_distribute
-from tfdist._compat import tf_runtime
+from tfdist._compat.distribute import launcher_all_gather
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, local_device_count
+from tfdist.comm.runtime import check_tf_not_started, start_server
+from tfdist.comm.tf_config import (
+    MULTI_WORKER_JOBS,
+    ClusterConfig,
+    tf_config_from_env,
+)
+from tfdist.devices import process_devices
+from tfdist.errors import ConfigError
 from tfdist.tensor_parallel._tf_rows import (
     RowsExtended,
     SpanExtended,
@@ -31,22 +39,11 @@ from tfdist.tensor_parallel._tf_rows import (
     column_launchers,
     device_launchers,
 )
-from tfdist._compat.distribute import launcher_all_gather
-from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, local_device_count
-from tfdist.cluster.faults import install_excepthook, startup_watchdog
-from tfdist.cluster.peers import startup_error, wait_for_peers
-from tfdist.comm.tf_config import (
-    MULTI_WORKER_JOBS,
-    ClusterConfig,
-    tf_config_from_env,
-)
+from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task, task_of
 from tfdist.tensor_parallel.row_reductions import DeviceGroupAllReduce, ProcessDevices
+from tfdist.tensor_parallel.span import RowSpan
 from tfdist.zero.collectives import LocalCollectives
 from tfdist.zero.tf_collectives import TFShardCollectives
-from tfdist.devices import process_devices
-from tfdist.errors import ConfigError, InitOrderError
-from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task, task_of
-from tfdist.tensor_parallel.span import RowSpan
 
 __all__ = ["ProcessRows", "RowsOfSpan", "check_process_options", "process_rows", "row_span", "start_processes",
            "zero_collectives"]
@@ -215,31 +212,13 @@ def start_processes(strategy, rows: ProcessRows, timeout_s: float):
             raise ConfigError(f"ModelParallelStrategy: this process already joined the job {started[0]}; a process "
                               f"joins one job (got {config.to_json()}).")
         return _make_extended(strategy, rows, timeout_s), started[1]
-    if tf_runtime.context_initialized():
-        raise InitOrderError(
-            "tfdist.ModelParallelStrategy over a mesh across processes must be created before TensorFlow "
-            "initialises (before any tensor, model, dataset or tf.config.list_logical_devices() call): collective ops "
-            "can only be configured at program start. Create the mesh and the strategy first thing in the script.")
+    who = "tfdist.ModelParallelStrategy over a mesh across processes must be created"
+    fix = "Create the mesh and the strategy first thing in the script."
+    check_tf_not_started(who, fix)
     kind = tf.DeviceSpec.from_string(rows.local_grid[0][0]).device_type.upper()
     process_devices(rows.devices_per_process if kind == "CPU" else [local_name(d) for r in rows.local_grid for d in r],
                     parameter="mesh devices")  # M logical CPUs, configured before TF initialises
-    leader = "chief" if "chief" in config.cluster else "worker"
-    heartbeat_s = min(timeout_s, 20.0)
-    tf_runtime.configure_coordination(
-        f"/job:{leader}/replica:0/task:0",
-        {job: len(config.cluster[job]) for job in MULTI_WORKER_JOBS if job in config.cluster},
-        register_timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_s, shutdown_timeout_s=timeout_s)
-    if config.is_chief:
-        wait_for_peers(config, timeout_s)
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(config.cluster), task_type=config.task_type, task_id=config.task_index, rpc_layer="grpc")
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
-    with startup_watchdog(timeout_s + 15.0, lambda: str(startup_error(config, timeout_s, None))):
-        try:
-            server = tf_distribute.collective_server(resolver, options)
-        except (tf.errors.OpError, RuntimeError) as err:
-            raise startup_error(config, timeout_s, err) from None
-    install_excepthook(config)
+    server = start_server(config, timeout_s, who=who, fix=fix)
     _STARTED["server"] = (config.to_json(), server)
     return _make_extended(strategy, rows, timeout_s), server
 

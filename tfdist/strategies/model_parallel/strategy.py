@@ -11,18 +11,10 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.pipeline.layer_call import colocate_with_inputs
-from tfdist.tensor_parallel.layout_map import LayoutMap, as_layout_map
 from tfdist.pipeline.microbatches import check_batch
-from tfdist.tensor_parallel.span import RowDevices
-from tfdist.tensor_parallel.shard import ShardPlan, keep_logical_optimizer_saving, shard_model
-from tfdist.tensor_parallel.memory import SplitMemoryReport, split_memory_report
-from tfdist.tensor_parallel.stages import StagedShardPlan, StageOptions, shard_stages
-from tfdist.zero import GroupedZeroEngine, engine_of
-from tfdist.zero.config import check_stage
-from tfdist.zero.engine import tf_variable
-from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.strategies.model_parallel.horovod import (
     choose_backend,
     horovod_row_span,
@@ -30,7 +22,6 @@ from tfdist.strategies.model_parallel.horovod import (
     horovod_zero_collectives,
     start_horovod,
 )
-from tfdist.strategies.model_parallel.zero import Stage3Options, attach_update
 from tfdist.strategies.model_parallel.processes import (
     check_process_options,
     process_rows,
@@ -38,6 +29,15 @@ from tfdist.strategies.model_parallel.processes import (
     start_processes,
     zero_collectives,
 )
+from tfdist.strategies.model_parallel.zero import Stage3Options, attach_update
+from tfdist.tensor_parallel.layout_map import LayoutMap, as_layout_map
+from tfdist.tensor_parallel.memory import SplitMemoryReport, split_memory_report
+from tfdist.tensor_parallel.shard import ShardPlan, keep_logical_optimizer_saving, shard_model
+from tfdist.tensor_parallel.span import RowDevices
+from tfdist.tensor_parallel.stages import StagedShardPlan, StageOptions, shard_stages
+from tfdist.zero import GroupedZeroEngine, engine_of
+from tfdist.zero.config import check_stage
+from tfdist.zero.engine import tf_variable
 
 __all__ = ["ModelParallelStrategy"]
 

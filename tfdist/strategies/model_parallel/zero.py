@@ -12,8 +12,8 @@ from tfdist.errors import ConfigError
 from tfdist.tensor_parallel.optimizer_state import logical_keys
 from tfdist.zero import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
 from tfdist.zero.config import check_stage3_options
-from tfdist.zero.stage0_update import RowNorms, SummedGradientUpdate
 from tfdist.zero.engine import tf_variable
+from tfdist.zero.stage0_update import RowNorms, SummedGradientUpdate
 
 __all__ = ["Stage3Options", "attach_update"]
 

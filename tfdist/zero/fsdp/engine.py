@@ -9,15 +9,15 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
-from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_pieces, scale_pieces
 from tfdist.zero.config import ZeroConfig
-from tfdist.zero.fsdp.param import FsdpParam
-from tfdist.zero.fsdp.unit import FsdpUnit
-from tfdist.zero.fsdp.piece_state import PieceState
 from tfdist.zero.engine import ZeroEngine
+from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
+from tfdist.zero.fsdp.param import FsdpParam
+from tfdist.zero.fsdp.piece_state import PieceState
+from tfdist.zero.fsdp.unit import FsdpUnit
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
 

@@ -6,13 +6,13 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from tfdist.zero.fsdp import _keras as fsdp_keras
-from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.errors import ConfigError
+from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.zero.config import ZeroConfig
+from tfdist.zero.fsdp import _keras as fsdp_keras
+from tfdist.zero.fsdp.engine import Zero3Engine, find_units, shard_parameters
 from tfdist.zero.fsdp.unit import FsdpUnit
 from tfdist.zero.mesh_engine import GroupedZeroEngine
-from tfdist.zero.fsdp.engine import Zero3Engine, find_units, shard_parameters
 
 __all__ = ["GroupedZero3Engine"]
 

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tfdist.zero.fsdp._keras import local_replica_index
 from tfdist._compat.tf_runtime import SavedTensor
 from tfdist.errors import ConfigError
+from tfdist.zero.fsdp._keras import local_replica_index
 
 __all__ = ["FsdpParam", "current_unit"]
 

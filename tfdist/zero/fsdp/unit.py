@@ -8,9 +8,9 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist._compat.captured_inputs import differentiable_captures
 from tfdist.zero.collectives import ShardCollectives
+from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.param import FsdpParam, current_unit
 
 __all__ = ["FsdpUnit"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import socket
+import time
 
-from tfdist.cluster.ports import port_open, silent_after
 from tfdist.comm.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
 from tfdist.errors import ConfigError
 
-__all__ = ["cluster_config_of", "startup_error", "wait_for_peers"]
+__all__ = ["cluster_config_of", "port_open", "silent_after", "startup_error", "wait_for_peers"]
 
 
 def cluster_config_of(resolver) -> ClusterConfig | None:
@@ -50,3 +51,26 @@ def startup_error(config: ClusterConfig, timeout_s: float, err: Exception | None
 def _first_line(err: Exception) -> str:
     text = getattr(err, "message", None) or str(err)
     return re.sub(r"\s+", " ", text.strip())[:400]
+
+
+def port_open(address: str, timeout_s: float = 0.5) -> bool:
+    """True when something accepts TCP connections at 'host:port'."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def silent_after(addresses: list, timeout_s: float, address_of=lambda a: a) -> list:
+    """Polls until every address accepts connections or `timeout_s` passes; returns the ones still silent.
+
+    `address_of(item)` gives the 'host:port' of each item (the items themselves by default)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(addresses)
+    while pending and time.monotonic() < deadline:
+        pending = [item for item in pending if not port_open(address_of(item))]
+        if pending:
+            time.sleep(0.2)
+    return pending
