@@ -13,10 +13,11 @@ from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.zero.flat_layout import FlatLayout
+from tfdist.zero.optimizer_step import accumulate_or_update, decay, ema_step, update_averages
 from tfdist.zero.owned_slots import SlotShards
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
-__all__ = ["ZeroEngine", "overwrite_every"]
+__all__ = ["ZeroEngine"]
 
 
 class ZeroEngine:
@@ -251,43 +252,17 @@ class ZeroEngine:
         accumulation, clipping, decay, the update and EMA; `params[j][i]` is local replica i's copy of
         variable j (its piece of it at stage 3)."""
         opt = self.optimizer
-        # Keras' own counter and update-step rule: with accumulation, `iterations` counts updates.
-        iterations = opt.iterations
-        steps = opt.gradient_accumulation_steps
-        if not steps:
-            self._update(shards, params, lrs)
-        else:
-            accumulators = self.state.shards("gradient_accumulator")
-            micro_steps = keras_optimizer.iteration_counter(opt)
-
-            def update():
-                total = []
-                for acc, shard, device in zip(accumulators, shards, self.state_devices):
-                    with tf.device(device):
-                        total.append((tf.identity(shard) + acc) / tf.cast(steps, self.dtype))
-                self._update(total, params, lrs)
-                for acc, device in zip(accumulators, self.state_devices):
-                    with tf.device(device):
-                        acc.assign(tf.zeros_like(acc))
-                return tf.constant(True)
-
-            def accumulate():
-                for acc, shard, device in zip(accumulators, shards, self.state_devices):
-                    with tf.device(device):
-                        acc.assign_add(tf.identity(shard))
-                return tf.constant(False)
-
-            tf.cond(tf.equal((micro_steps + 1) % steps, 0), update, accumulate)
+        iterations = opt.iterations  # Keras' own counter and rule: with accumulation it counts updates
+        accumulators = self.state.shards("gradient_accumulator") if opt.gradient_accumulation_steps else None
+        accumulate_or_update(opt, shards, accumulators, self.state_devices, self.dtype,
+                             lambda total: self._update(total, params, lrs))
         self._ema_step(params, iterations)
 
     def _ema_step(self, params: list, iterations) -> None:
-        """With `use_ema`: update the averages (`_update_averages`, per engine), and every
-        `ema_overwrite_frequency` steps copy them into the parameters, as Keras' optimizer does."""
-        opt = self.optimizer
-        if not opt.use_ema:
-            return
-        self._update_averages(params, iterations)
-        overwrite_every(opt, iterations, lambda: self.overwrite_with_average(params))
+        """With `use_ema`: the averages of this engine's state (`_update_averages`), copied into the parameters
+        every `ema_overwrite_frequency` steps."""
+        ema_step(self.optimizer, iterations, lambda: self._update_averages(params, iterations),
+                 lambda: self.overwrite_with_average(params))
 
     def _update(self, shards: list, params: list, lrs: list) -> None:
         """Clip the reduced gradient shards, decay and update each owner's parameter shard with the
@@ -314,19 +289,7 @@ class ZeroEngine:
         self._write_params(fulls, params)
 
     def _decay(self, params: list, lrs: list) -> None:
-        """Keras' decoupled weight decay (`exclude_from_weight_decay` honoured) on an update step of
-        gradient accumulation, with Keras' own ops on every replica's copy (in cross-replica context,
-        where Keras' `_apply_weight_decay` would need a merge_call)."""
-        opt = self.optimizer
-        if not opt.weight_decay:
-            return
-        for j, variable in enumerate(self.variables):
-            if not keras_optimizer.uses_weight_decay(opt, variable):
-                continue
-            for i, device in enumerate(self.comm.devices):
-                with tf.device(device):
-                    wd, lr = tf.cast(opt.weight_decay, self.dtype), tf.cast(lrs[i], self.dtype)
-                    params[j][i].assign_sub(params[j][i] * wd * lr)
+        decay(self.optimizer, self.variables, params, lrs, self.comm.devices, self.dtype)
 
     def _write_params(self, fulls: list, params: list) -> None:
         """Copies each local replica's gathered flat vector `fulls[i]` into its parameters."""
@@ -342,15 +305,11 @@ class ZeroEngine:
                         done = [var[i].assign(tf.reshape(piece, layout.shapes[j]))]
 
     def _update_averages(self, params: list, iterations) -> None:
-        """Keras' EMA (`average = m * average + (1 - m) * variable`, m = 0 on the first step), each
-        owner on its own shard of the parameters."""
-        opt = self.optimizer
-        for i, (sid, device) in enumerate(zip(self.comm.shard_ids, self.state_devices)):
-            average = self.state.shards("average")[i]
-            with tf.device(device):
-                momentum = tf.cast(tf.not_equal(iterations, 0), self.dtype) * tf.cast(opt.ema_momentum, self.dtype)
-                current = self._pieces([p[i] for p in params], sid)
-                average.assign(momentum * average + (1 - momentum) * current)
+        """Keras' EMA, each owner on its own shard of the parameters."""
+        currents = [lambda i=i, sid=sid: self._pieces([p[i] for p in params], sid)
+                    for i, sid in enumerate(self.comm.shard_ids)]
+        update_averages(self.optimizer, self.state.shards("average"), currents, iterations, self.state_devices,
+                        self.dtype)
 
     def overwrite_with_average(self, params: list | None = None) -> None:
         """Writes the moving averages into the model's parameters (Keras'
@@ -378,16 +337,3 @@ def tf_variable(variable):
 
 def _name(variable) -> str:
     return getattr(variable, "path", None) or variable.name
-
-
-def overwrite_every(optimizer, iterations, overwrite) -> None:
-    """Runs `overwrite()` (the EMA averages into the model) every `ema_overwrite_frequency` steps, as Keras'
-    optimizer does (`iterations`: the step count before this step's increment); nothing without a frequency."""
-    if not optimizer.ema_overwrite_frequency:
-        return
-
-    def run():
-        overwrite()
-        return tf.constant(True)
-
-    tf.cond(tf.equal((iterations + 1) % optimizer.ema_overwrite_frequency, 0), run, lambda: tf.constant(False))

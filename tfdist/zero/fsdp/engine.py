@@ -13,6 +13,7 @@ from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_pieces, scale_pieces
 from tfdist.zero.config import ZeroConfig
 from tfdist.zero.engine import ZeroEngine
+from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
 from tfdist.zero.fsdp.param import FsdpParam
@@ -142,33 +143,10 @@ class Zero3Engine(ZeroEngine):
         accumulation, clipping, decay, the update and EMA; `params[j][i]` is the parameter piece."""
         opt = self.optimizer
         iterations = opt.iterations  # Keras' own counter and rule: with accumulation it counts updates
-        steps = opt.gradient_accumulation_steps
-        if not steps:
-            self._update(grads, params, lrs)
-        else:
-            accumulators = [self.state.piece_variables("gradient_accumulator", i) for i in range(len(grads))]
-            micro_steps = keras_optimizer.iteration_counter(opt)
-
-            def update():
-                total = []
-                for row, accs, device in zip(grads, accumulators, self.state_devices):
-                    with tf.device(device):
-                        total.append([(tf.identity(g) + a) / tf.cast(steps, self.dtype) for g, a in zip(row, accs)])
-                self._update(total, params, lrs)
-                for accs, device in zip(accumulators, self.state_devices):
-                    with tf.device(device):
-                        for a in accs:
-                            a.assign(tf.zeros_like(a))
-                return tf.constant(True)
-
-            def accumulate():
-                for row, accs, device in zip(grads, accumulators, self.state_devices):
-                    with tf.device(device):
-                        for g, a in zip(row, accs):
-                            a.assign_add(tf.identity(g))
-                return tf.constant(False)
-
-            tf.cond(tf.equal((micro_steps + 1) % steps, 0), update, accumulate)
+        accumulators = ([self.state.piece_variables("gradient_accumulator", i) for i in range(len(grads))]
+                        if opt.gradient_accumulation_steps else None)
+        accumulate_or_update(opt, grads, accumulators, self.state_devices, self.dtype,
+                             lambda total: self._update(total, params, lrs))
         self._ema_step(params, iterations)
 
     def _update(self, grads: list, params: list, lrs: list) -> None:
@@ -187,13 +165,10 @@ class Zero3Engine(ZeroEngine):
                     self.inner.update_step(tf.identity(g), ref, lr)
 
     def _update_averages(self, params: list, iterations) -> None:
-        """Keras' EMA (`average = m * average + (1 - m) * variable`, m = 0 on the first step), per piece."""
-        opt = self.optimizer
-        for i, device in enumerate(self.state_devices):
-            with tf.device(device):
-                momentum = tf.cast(tf.not_equal(iterations, 0), self.dtype) * tf.cast(opt.ema_momentum, self.dtype)
-                for average, p in zip(self.state.piece_variables("average", i), params):
-                    average.assign(momentum * average + (1 - momentum) * p[i])
+        """Keras' EMA, per piece."""
+        averages = [self.state.piece_variables("average", i) for i in range(len(self.state_devices))]
+        currents = [lambda i=i: [p[i] for p in params] for i in range(len(self.state_devices))]
+        update_averages(self.optimizer, averages, currents, iterations, self.state_devices, self.dtype)
 
     def overwrite_with_average(self, params: list | None = None) -> None:
         """Keras' EMA overwrite: each replica writes its average pieces into its parameter pieces."""
@@ -202,18 +177,6 @@ class Zero3Engine(ZeroEngine):
             with tf.device(device):
                 for average, p in zip(self.state.piece_variables("average", i), params):
                     p[i].assign(tf.identity(average))
-
-    def _decay(self, params: list, lrs: list) -> None:
-        opt = self.optimizer
-        if not opt.weight_decay:
-            return
-        for j, variable in enumerate(self.variables):
-            if not keras_optimizer.uses_weight_decay(opt, variable):
-                continue
-            for i, device in enumerate(self.comm.devices):
-                with tf.device(device):
-                    wd, lr = tf.cast(opt.weight_decay, self.dtype), tf.cast(lrs[i], self.dtype)
-                    params[j][i].assign_sub(params[j][i] * wd * lr)
 
 
 def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero3Engine:
