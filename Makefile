@@ -12,6 +12,8 @@ TF_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cp
 STAMP  := $(VENV)/.installed-$(TF_EXTRA)
 OUT    ?= out
 PYTEST_ARGS ?=
+# pytest workers for `make test` (tests/conftest.py says why two; 0 runs the suite in one process)
+TEST_WORKERS ?= 2
 
 # Debian packages the suite needs (later layers append: OpenMPI, SLURM, ...). Installed when missing
 # and running as root; otherwise the target names the command to run.
@@ -70,7 +72,8 @@ demo: setup
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
 test: setup system-deps horovod
-	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 --durations=30 $(PYTEST_ARGS)
+	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
+	  $(PYTEST_ARGS)
 
 # In-process tests only: builds nothing beyond the venv (no Horovod, no Debian packages).
 quick: setup

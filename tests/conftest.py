@@ -89,9 +89,26 @@ def _horovod_built() -> bool:
     return importlib.util.find_spec("horovod") is not None
 
 
+# `make test` runs the suite on two pytest workers (pytest-xdist, --dist loadgroup): on 2 cores a multi-process
+# test leaves a core idle while its processes start, wait on each other or wait out a timeout. A test file is one
+# unit of work (its module fixtures start each topology once, on one worker); files that share a machine-wide
+# resource form one unit: the SLURM daemons.
+SHARED_UNITS = {
+    "slurm": ("test_slurm_jobs.py", "test_slurm_cluster.py", "test_slurm_ps.py", "test_preemption.py",
+              "test_elastic.py"),
+}
+_UNIT_OF = {name: unit for unit, names in SHARED_UNITS.items() for name in names}
+
+
+def _unit(item) -> str:
+    name = item.path.name
+    return _UNIT_OF.get(name, name)
+
+
 def pytest_collection_modifyitems(config, items):
     have_horovod = _horovod_built()
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
         if _uses(item, _HOROVOD_WORDS):
             item.add_marker(pytest.mark.horovod)
             if not have_horovod:
