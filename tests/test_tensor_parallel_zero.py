@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
+from tfdist.zero.mesh_engine import GroupedZeroEngine
 from test_tensor_parallel import DEVICES, _logical, data, mlp, mlp_layout, transformer_block, transformer_layout
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -127,7 +128,7 @@ def test_weight_decay_ema_and_a_custom_training_loop_equal_one_device():
 
     one, _ = run(tf.distribute.get_strategy())
     model, optimizer = run(strategy_for(zero_stage=1))
-    assert isinstance(tfdist.zero.engine_of(optimizer), tfdist.zero.GroupedZeroEngine)
+    assert isinstance(tfdist.zero.engine_of(optimizer), GroupedZeroEngine)
     assert_close(logical_weights(one), logical_weights(model), 1e-4)
 
 
@@ -219,7 +220,7 @@ def test_slot_pieces_live_on_each_rows_copy_of_their_variable():
     strategy = strategy_for(zero_stage=1)
     model = fit(strategy, OPTIMIZERS["adam"][0], epochs=1)
     engine = tfdist.zero.engine_of(model)
-    assert isinstance(engine, tfdist.zero.GroupedZeroEngine) and engine.stage == 1
+    assert isinstance(engine, GroupedZeroEngine) and engine.stage == 1
     rows = strategy.mesh_rows
     canon = lambda d: d.rsplit("/", 1)[-1]  # noqa: E731  ("device:CPU:2", however the name is spelled)
     # one group per model-axis position: its variables' copies in row r sit on rows[r][k]

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
+from tfdist.zero.fsdp.mesh_engine import GroupedZero3Engine
 from test_tensor_parallel import data, mlp, mlp_layout, transformer_block, transformer_layout
 from test_tensor_parallel_zero import assert_close, fit, logical_optimizer_state, logical_weights, strategy_for
 
@@ -64,7 +65,7 @@ def test_mlp_equals_stage_0_and_one_device_with_each_row_holding_one_piece(shape
     start = logical_weights(mlp())
     assert max(np.abs(start[k] - sharded[k]).max() for k in start) > 1e-2  # 20 steps did train
     engine = tfdist.zero.engine_of(model)
-    assert isinstance(engine, tfdist.zero.GroupedZero3Engine) and engine.stage == 3
+    assert isinstance(engine, GroupedZero3Engine) and engine.stage == 3
     rows = shape[0]
     # every trainable variable's storage: R pieces, piece r on row r's device of its column (the row's first
     # device for replicated variables); nothing holds the whole variable

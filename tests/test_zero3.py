@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.zero import FsdpParam
+from tfdist.zero.fsdp.param import FsdpParam
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(256, 8)).astype("float32")

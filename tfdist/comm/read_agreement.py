@@ -10,7 +10,7 @@ custom-loop tutorial: every worker calls `checkpoint.save()`) then work unchange
 
 Under Horovod's MPI controller (`mpirun`, `horovodrun --mpi`) there is no such server: the same messages go as
 non-blocking MPI point-to-point messages (mpi4py) instead. Without either (mpi4py missing), `from_environment`
-returns None and such reads are refused up front (tfdist.zero.SlotShards).
+returns None and such reads are refused up front (tfdist.zero.owned_slots.SlotShards).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 import keras
 import tensorflow as tf
 
-from tfdist import zero
+from tfdist.zero.attach import building_optimizers, configure_stage3, register_strategy
+from tfdist.zero.config import SUPPORTED_STAGES, ZeroConfig, check_options, check_stage3_options
+from tfdist.zero.memory import MemoryReport, memory_report
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_model import model_of_step, step_objects
 from tfdist.data_parallel import _no_sync as grad_accumulate
@@ -28,9 +30,9 @@ class DataParallel:
     among the bases, before the tf.distribute strategy class each one refines).
 
     - `zero_stage`/`offload` are checked once here, and the strategy registers itself with the
-      sharding layer (`tfdist.zero.register_strategy`), with the collectives its replicas use;
+      sharding layer (`tfdist.register_strategy`), with the collectives its replicas use;
     - inside `scope()` and `run()` (and only there) Keras optimizers built for this strategy get
-      their ZeRO engine (`tfdist.zero.building_optimizers`); plain Keras elsewhere in the process
+      their ZeRO engine (`tfdist.building_optimizers`); plain Keras elsewhere in the process
       runs the stock classes;
     - across processes, distributed datasets iterate under an uneven-data agreement
       (`tfdist.data_parallel.uneven`): every rank takes the same steps even when the ranks' datasets differ in
@@ -43,7 +45,7 @@ class DataParallel:
 
     zero_stage: int = 0
     offload: bool = False
-    zero_stages: tuple[int, ...] = zero.SUPPORTED_STAGES  # the ZeRO stages this strategy runs
+    zero_stages: tuple[int, ...] = SUPPORTED_STAGES  # the ZeRO stages this strategy runs
     uneven_data: str = "stop"
     _uneven: UnevenData | None = None
     gradient_path: GradientPath | None = None
@@ -52,8 +54,8 @@ class DataParallel:
     def _check_zero_options(self, zero_stage, offload, fsdp_unit_bytes=None, reshard_after_forward: bool = True,
                             fsdp_prefetch: bool = False) -> None:
         """Checks ZeRO's arguments (stage 3's too) before the strategy starts anything."""
-        self.zero_stage, self.offload = zero.check_options(zero_stage, offload, stages=self.zero_stages)
-        zero.check_stage3_options(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
+        self.zero_stage, self.offload = check_options(zero_stage, offload, stages=self.zero_stages)
+        check_stage3_options(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         self._stage3_options = {"unit_bytes": fsdp_unit_bytes, "reshard_after_forward": reshard_after_forward,
                                 "prefetch": fsdp_prefetch}
 
@@ -61,10 +63,10 @@ class DataParallel:
         config = None
         if self.zero_stage:
             extra = {} if host_device is None else {"host_device": host_device}
-            config = zero.ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
-        zero.register_strategy(self, config)
+            config = ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
+        register_strategy(self, config)
         if self.zero_stage == 3:
-            zero.configure_stage3(self, **self._stage3_options)
+            configure_stage3(self, **self._stage3_options)
 
     def _attach_uneven_data(self, mode: str, fused: bool) -> None:
         """Agrees on uneven per-rank data when this strategy spans several processes (one process: one
@@ -231,7 +233,7 @@ class DataParallel:
     def scope(self) -> Iterator[tf.distribute.Strategy]:
         """`tf.distribute.Strategy.scope()`; inside it, optimizers built for this strategy are sharded
         as `zero_stage` says."""
-        with super().scope() as strategy, zero.building_optimizers(), \
+        with super().scope() as strategy, building_optimizers(), \
                 keras_optimizer.optimizer_hooks(_no_build, self._track_optimizer):
             yield strategy
 
@@ -241,7 +243,7 @@ class DataParallel:
         if self.zero_stage == 3:
             self._build_optimizer_before_the_step(fn)
         in_step = getattr(self.extended, "in_step", contextlib.nullcontext)
-        with zero.building_optimizers(), self._uneven_step(fn), in_step():
+        with building_optimizers(), self._uneven_step(fn), in_step():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _build_optimizer_before_the_step(self, fn) -> None:
@@ -266,7 +268,7 @@ class DataParallel:
         self._uneven.weigh(getattr(model_of_step(fn), "optimizer", None))
         return self._uneven.step()
 
-    def memory_report(self, model) -> zero.MemoryReport:
+    def memory_report(self, model) -> MemoryReport:
         """Per-replica bytes of parameters, gradients and optimizer state of `model`'s training, for
         this process's replicas.
 
@@ -274,7 +276,7 @@ class DataParallel:
         step keeps), next to the ZeRO formula for all `num_replicas_in_sync` replicas. Call it after
         the optimizer is built (after the first `fit` step or `model.optimizer.build(...)` in scope).
         """
-        return zero.memory_report(self, model)
+        return memory_report(self, model)
 
 
 def _no_build(optimizer, variables) -> None:

@@ -11,7 +11,7 @@ import keras
 
 from tfdist._compat import keras_model
 from tfdist.cluster.rank import is_chief
-from tfdist.zero import gathered_state
+from tfdist.zero.attach import gathered_state
 
 __all__ = ["BackupAndRestore"]
 

@@ -9,7 +9,7 @@ import tempfile
 import keras
 
 from tfdist.cluster.rank import is_chief
-from tfdist.zero import cross_process_engine
+from tfdist.zero.attach import cross_process_engine
 
 __all__ = ["ModelCheckpoint"]
 

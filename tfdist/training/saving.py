@@ -6,7 +6,7 @@ import os
 import tempfile
 
 from tfdist.cluster.rank import is_chief
-from tfdist.zero import gathered_state
+from tfdist.zero.attach import gathered_state
 
 __all__ = ["save_model"]
 

@@ -1,36 +1,52 @@
-"""Who owns optimizer, gradient and (stage 3) parameter state: ZeRO stages, offload, checkpoint resharding."""
+"""ZeRO: who owns optimizer, gradient and (stage 3, `zero.fsdp`) parameter state across data-parallel replicas.
 
-from tfdist.zero.attach import (
-                                    building_optimizers,
-                                    configure_stage3,
-                                    cross_process_engine,
-                                    engine_of,
-                                    gathered_state,
-                                    register_engine,
-                                    register_strategy,
-)
-from tfdist.zero.collectives import LocalCollectives, ShardCollectives
-from tfdist.zero.config import (
-                                    SUPPORTED_STAGES,
-                                    ZeroConfig,
-                                    check_options,
-                                    check_stage3_options,
-                                    check_unit_bytes,
-                                    register_elementwise,
-)
-from tfdist.zero.engine import ZeroEngine
-from tfdist.zero.flat_layout import FlatLayout
-from tfdist.zero.fsdp.engine import Zero3Engine
-from tfdist.zero.fsdp.layout import ParamShardLayout
-from tfdist.zero.fsdp.mesh_engine import GroupedZero3Engine
-from tfdist.zero.fsdp.param import FsdpParam
-from tfdist.zero.fsdp.unit import FsdpUnit
-from tfdist.zero.memory import MemoryReport, memory_report, zero_formula
-from tfdist.zero.mesh_engine import GroupedZeroEngine
-from tfdist.zero.owned_slots import SlotShards
+Users turn it on with `zero_stage=` on a strategy; what they call here:
 
-__all__ = ["FlatLayout", "FsdpParam", "FsdpUnit", "GroupedZero3Engine", "GroupedZeroEngine", "LocalCollectives", "MemoryReport",
-           "ParamShardLayout", "SUPPORTED_STAGES", "ShardCollectives", "SlotShards", "Zero3Engine", "ZeroConfig",
-           "ZeroEngine", "building_optimizers", "check_options", "check_stage3_options", "check_unit_bytes",
-           "configure_stage3", "cross_process_engine", "engine_of", "gathered_state", "memory_report",
-           "register_elementwise", "register_engine", "register_strategy", "zero_formula"]
+- `engine_of(optimizer)`: the ZeRO engine behind an optimizer built in a tfdist scope (None for plain Keras);
+- `memory_report(strategy, model)` / `MemoryReport`, `zero_formula(...)`: bytes per replica, measured and as
+  the formula says;
+- `gathered_state(optimizer)`: a context in which the sharded optimizer state reads as whole variables;
+- `configure_stage3(strategy, unit_bytes=..., ...)`: how stage 3 groups layers into units, before the first `fit`;
+- `register_elementwise(optimizer_class)`: declare a custom optimizer element-wise, so it can be sharded;
+- `SUPPORTED_STAGES`.
+
+Example:
+    >>> strategy = tfdist.MirroredStrategy(zero_stage=2)
+    >>> with strategy.scope():
+    ...     model = tfdist.models.cnn()
+    ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    >>> model.fit(data.train, epochs=1)
+    >>> tfdist.zero.engine_of(model.optimizer).stage
+    2
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it, imported on first use
+_LAZY = {
+    "engine_of": "tfdist.zero.attach",
+    "gathered_state": "tfdist.zero.attach",
+    "configure_stage3": "tfdist.zero.attach",
+    "memory_report": "tfdist.zero.memory",
+    "MemoryReport": "tfdist.zero.memory",
+    "zero_formula": "tfdist.zero.memory",
+    "register_elementwise": "tfdist.zero.config",
+    "SUPPORTED_STAGES": "tfdist.zero.config",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfdist.zero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,7 +23,7 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
 
     Example:
         >>> opt = keras.optimizers.SGD(clipnorm=1.0)
-        >>> [[g.numpy().tolist() for g in row] for row in clip_pieces(opt, tfdist.zero.LocalCollectives(
+        >>> [[g.numpy().tolist() for g in row] for row in clip_pieces(opt, tfdist.zero.collectives.LocalCollectives(
         ...     ["/cpu:0", "/cpu:0"]), [[tf.constant([3.0])], [tf.constant([4.0])]])]   # norm 5
         [[[0.6000000238418579]], [[0.800000011920929]]]
     """

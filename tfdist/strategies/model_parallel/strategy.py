@@ -35,7 +35,8 @@ from tfdist.tensor_parallel.memory import SplitMemoryReport, split_memory_report
 from tfdist.tensor_parallel.shard import ShardPlan, keep_logical_optimizer_saving, shard_model
 from tfdist.tensor_parallel.span import RowDevices
 from tfdist.tensor_parallel.stages import StagedShardPlan, StageOptions, shard_stages
-from tfdist.zero import GroupedZeroEngine, engine_of
+from tfdist.zero.attach import engine_of
+from tfdist.zero.mesh_engine import GroupedZeroEngine
 from tfdist.zero.config import check_stage
 from tfdist.zero.engine import tf_variable
 

@@ -10,7 +10,9 @@ import keras
 
 from tfdist.errors import ConfigError
 from tfdist.tensor_parallel.optimizer_state import logical_keys
-from tfdist.zero import GroupedZero3Engine, GroupedZeroEngine, engine_of, register_engine
+from tfdist.zero.attach import engine_of, register_engine
+from tfdist.zero.fsdp.mesh_engine import GroupedZero3Engine
+from tfdist.zero.mesh_engine import GroupedZeroEngine
 from tfdist.zero.config import check_stage3_options
 from tfdist.zero.engine import tf_variable
 from tfdist.zero.stage0_update import RowNorms, SummedGradientUpdate
