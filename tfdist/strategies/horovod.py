@@ -33,68 +33,36 @@ log = logging.getLogger(__name__)
 class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.MirroredStrategy):
     """Data parallelism across processes with Horovod, for the ordinary Keras 3 path.
 
-    A MirroredStrategy over this process's devices whose cross-device ops reduce over the local
-    devices, then across processes with one fused Horovod all-reduce per step. Replicas = processes
-    x local devices, and `num_replicas_in_sync` is that global count (Keras divides the loss by it).
-    Run one process per GPU (or per CPU socket) under `horovodrun`, `mpirun`, `srun` or
-    `tfdist launch --backend horovod`; a plain `python script.py` is a one-process job.
-
-    What it adds to MirroredStrategy:
-    - every variable is broadcast from rank 0 when it is created (same initial weights everywhere),
-      after an all-gather of its shape/dtype signature: ranks that build different models get a
-      ConfigError naming the variable, not a hang;
-    - `experimental_distribute_dataset` / `distribute_datasets_from_function` shard the input by
-      (size, rank): `fit` on the same dataset in every rank gives each rank its own slice of every
-      global batch (use a global batch size, as with any strategy);
-    - `strategy.reduce` and Keras' epoch-end metrics are reduced across processes (metric states
-      are summed over all ranks, so `History` and `evaluate` report global values on every rank).
-      These are collectives: call them on every rank, never in a rank-0-only branch.
-    - ranks may have datasets of different lengths (`distribute_datasets_from_function` with a user's
-      own sharding): every rank agrees at each step whether it happens (`uneven_data`), so `fit` ends
-      the epoch together on every rank instead of hanging.
+    A MirroredStrategy over this process's devices whose gradients are summed over the local devices, then across
+    processes with one fused Horovod all-reduce per step; `num_replicas_in_sync` counts every process's replicas.
+    Variables start as rank 0's, the input is sharded by rank and metrics are global on every rank. Run one process
+    per GPU (or CPU socket) under `horovodrun`, `mpirun`, `srun` or `tfdist launch --backend horovod`; a plain
+    `python script.py` is a one-process job.
 
     Args:
-        local_devices: this process's devices, or None: its own GPU(s) (by local rank), else the
-            CPU (or TFDIST_LOCAL_DEVICES logical CPUs).
+        local_devices: this process's devices, or None: its own GPU(s) (by local rank), else the CPU (or
+            TFDIST_LOCAL_DEVICES logical CPUs).
         compression: None, 'fp16' or 'bf16' (gradients travel in that type).
-        fusion_threshold_mb: Horovod's fusion buffer size (HOROVOD_FUSION_THRESHOLD if set, else 1 MB
-            with the MPI controller on CPU-only hosts, where fusion's copies cost more than they save
-            for big gradients; Horovod's default with Gloo, whose TCP messages are dear, and on GPUs).
-        cycle_time_ms: HOROVOD_CYCLE_TIME, the pause of Horovod's background thread between negotiations
-            (None: the variable if set, else Horovod's 1 ms). Small all-reduces wait for it, so 0.1 makes
-            them faster; an idle rank then negotiates more often (measured in docs/horovod.md).
+        fusion_threshold_mb: Horovod's fusion buffer in MB; None: HOROVOD_FUSION_THRESHOLD if set, else 1 MB with
+            the MPI controller on CPU-only hosts, Horovod's default with Gloo and on GPUs.
+        cycle_time_ms: HOROVOD_CYCLE_TIME, the pause between Horovod's negotiations (None: the variable if set, else
+            Horovod's 1 ms); 0.1 makes small all-reduces faster, at a CPU cost on idle ranks.
         op: 'average' (default; the usual data-parallel mean gradient), 'sum' or 'adasum' (MPI only).
         require_launcher: raise ConfigError when no launcher started this process (default: run as
             a one-process job).
-        zero_stage: 0 (plain data parallel), 1 (optimizer state sharded across all replicas of all
-            processes: each rank keeps 1/N of it), 2 (gradients reduce-scattered too) or 3 (parameters
-            sharded too, all-gathered across the ranks per layer for its forward and backward: FSDP), as in
-            `tfdist.MirroredStrategy`. The shards move with `hvd.alltoall` (+ a local sum) / `hvd.allgather`
-            (tfdist.zero.horovod_collectives). Saving a model or checkpoint gathers the full optimizer state:
-            with zero_stage > 0 every rank must take part (tfdist.training.ModelCheckpoint,
-            BackupAndRestore and `tfdist.training.save_model` do that, and so does the same save run on
-            every rank, e.g. TF's custom-loop tutorial's `checkpoint.save()`); a `model.save` on rank 0
-            alone gets a ConfigError after `save_timeout_s` instead of hanging.
+        zero_stage: 0 (plain data parallel), 1 (optimizer state sharded over all ranks' replicas), 2 (gradients
+            too) or 3 (parameters too: FSDP), as in `tfdist.MirroredStrategy`; saves then need every rank.
         offload: keep the owned optimizer shards in host memory (needs zero_stage 1, 2 or 3).
-        uneven_data: what happens when the ranks' datasets end at different steps: 'stop' (default: every
-            rank ends the epoch where the shortest rank's data ends) or 'join' (ranks without data take
-            steps with empty batches until every rank's data ends; the gradient is the mean over the real
-            examples). The agreement rides along with the gradient all-reduce (op='average', no
-            compression) or is a small all-reduce per step otherwise. See docs/uneven-data.md.
+        uneven_data: 'stop' (default: every rank ends the epoch where the shortest rank's data ends) or 'join'
+            (ranks without data take steps with empty batches until every rank's data ends).
         reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
-            pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
-            behaviour (a new iterator per epoch and per validation).
+            pass, as in `tfdist.MirroredStrategy`; False: TF's behaviour (a new iterator per epoch and validation).
         bucket_cap_mb: None (default: one grouped Horovod all-reduce after the whole backward) or a size in MB
-            (DDP: 25): gradients all-reduced in buckets, each as soon as its gradients exist, as in
-            `tfdist.MirroredStrategy`; `register_comm_hook` compresses them (then without `compression`).
-            zero_stage 0 only.
+            (DDP: 25): gradients all-reduced in buckets, each as soon as its gradients exist; zero_stage 0 only.
         fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
-        save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a
-            save, `get_weights` at stage 3) waits for every rank to make the same read, agreed through the
-            Gloo rendezvous store, or under mpirun through MPI messages (tfdist.comm.read_agreement; without
-            mpi4py these reads are refused up front there: save inside `tfdist.zero.gathered_state(model)`
-            on every rank).
+        save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a save,
+            `get_weights` at stage 3) waits for every rank to make the same read.
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -107,14 +75,7 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         >>> if strategy.is_chief:
         ...     model.save("cnn.keras")
 
-    ZeRO (each of the 2 ranks keeps half of Adam's state; `tfdist train --strategy horovod --zero-stage 2`):
-        >>> strategy = tfdist.HorovodStrategy(zero_stage=2)
-        >>> with strategy.scope():
-        ...     model = tfdist.models.cnn()
-        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-        >>> model.fit(data.train, epochs=3, verbose=0)
-        >>> print(strategy.memory_report(model))          # this rank's bytes, read from the variables
-        >>> tfdist.training.save_model(model, "cnn.keras")  # on every rank: gathers; rank 0 writes
+    Guide: docs/horovod.md.
     """
 
     zero_stages = (0, 1, 2, 3)  # stage 3: parameter pieces on every rank's replicas, gathered with hvd.allgather

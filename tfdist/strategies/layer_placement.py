@@ -28,28 +28,20 @@ __all__ = ["LayerPlacementStrategy"]
 class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy):
     """Splits a Keras model by layers over devices (pipeline stages), for the ordinary Keras path.
 
-    Each layer's variables live on its stage's device, its forward and backward ops run there,
-    its optimizer slots sit next to its variables, and tensors crossing stages are copied
-    explicitly. `micro_batches=M` pipelines each batch GPipe-style; `data_parallel=D` runs D such
-    pipelines over D x K devices (replica r uses devices[r*K:(r+1)*K]) and sums gradients across
-    them per stage. A `.keras` file saved from a placed model loads anywhere, on one device.
-
-    Build the model inside `scope()`. It is placed on its first fit/evaluate/predict step (or
-    by `strategy.place(model)`, e.g. to look at the plan first); placing moves its variables and
-    any optimizer slots already built, so it works after `compile`. Like `tfdist.MirroredStrategy`, it keeps
-    one input iterator per distributed dataset (`tfdist.data_parallel.input_reuse`; `reuse_input_iterators`).
+    Each layer's variables, forward and backward ops and optimizer slots live on its stage's device.
+    `micro_batches=M` pipelines each batch GPipe-style; `data_parallel=D` runs D such pipelines over D x K
+    devices. Use it when a model with its optimizer state does not fit on one device. Build the model inside
+    `scope()`; it is placed on its first fit/evaluate/predict step, or by `strategy.place(model)`.
 
     Args:
         devices: device names, or None for all local devices (GPUs, else logical CPUs).
         placement: "auto" (balanced contiguous stages), a list of K-1 layer names where stages
             2..K start, {layer_name: stage} (unnamed layers join the previous layer's stage), or
             {stage: [layer names]}.
-        balance: what "auto" balances: "params", "flops" (estimated) or "time" (measured).
+        balance: what "auto" balances: "params" (default), "flops" (estimated) or "time" (measured).
         micro_batches: GPipe micro-batches per step (must divide the per-replica batch).
-        stage_streams: run each device's layer calls one after another in trace order (one op
-            stream per device, like an accelerator; see `tfdist.pipeline.streams.StageStreams`).
-            None (default): on when micro_batches > 1, where without it logical CPU devices
-            sharing one thread pool do not pipeline.
+        stage_streams: one op stream per stage device, running its layer calls in trace order; None
+            (default): on when micro_batches > 1.
         data_parallel: number of pipeline replicas D; len(devices) must be a multiple of D.
 
     Example:
@@ -61,6 +53,8 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
         ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         >>> print(strategy.place(model))              # the plan: layer -> stage/device
         >>> model.fit(np.random.rand(64, 28, 28, 1), np.arange(64) % 10, batch_size=32)
+
+    Guide: docs/layer-placement.md.
     """
 
     def __init__(

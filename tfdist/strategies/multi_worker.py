@@ -32,22 +32,10 @@ _COMMUNICATION = {
 class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism across processes (TF_CONFIG), for the ordinary Keras 3 path.
 
-    A `tf.distribute.MultiWorkerMirroredStrategy` that also:
-    - makes Keras 3 `fit`/`evaluate`/`predict` work with 2+ workers: Keras reduces tuples and
-      scalars with `axis=0`, which stock MWMS rejects (keras#20585); `reduce` here maps over nested
-      structures and drops `axis` for scalars;
-    - runs M local devices per worker (`local_devices`: a count, names, or the launcher's
-      TFDIST_LOCAL_DEVICES), so N workers x M logical CPUs (or GPUs) give N*M replicas;
-    - bounds every wait by `timeout_s`: a peer that never starts gives a ConfigError naming it, a
-      peer that dies mid-training aborts the collectives of the others with an error naming the lost
-      task (coordination-service heartbeat), and a collective stuck longer than `timeout_s` fails;
-    - checks TF_CONFIG and local devices, with errors that say what came and what would work;
-    - lets workers have datasets of different lengths (`distribute_datasets_from_function` with a user's
-      own sharding): every worker agrees at each step whether it happens (`uneven_data`), so `fit` ends
-      the epoch together on every worker instead of failing in a collective.
-
-    Create it first thing in the program, before any TensorFlow op (collectives must be configured
-    at start-up); start the workers with `tfdist launch -n N -- python train.py`.
+    A `tf.distribute.MultiWorkerMirroredStrategy` under which Keras 3 `fit`/`evaluate`/`predict` work with 2+
+    workers, with M local devices per worker (N workers x M devices give N*M replicas), a checked TF_CONFIG, and
+    every wait bounded by `timeout_s` (a peer that never starts or is lost is named in the error). Create it first
+    thing in the program, before any TensorFlow op; start the workers with `tfdist launch -n N -- python train.py`.
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; None reads TF_CONFIG.
@@ -56,31 +44,20 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         communication: 'auto', 'ring' or 'nccl' (GPUs).
         timeout_s: seconds to wait for peers at start-up and for any one collective.
         heartbeat_s: seconds of silence after which a peer counts as dead (default: min(timeout_s, 20)).
-        zero_stage: 0 (every replica holds all optimizer state), 1 (each of the N*M replicas holds
-            1/(N*M) of it, as flat even shards), 2 (and keeps only its 1/(N*M) of the summed
-            gradient, reduce-scattered with all-to-all collectives) or 3 (and 1/(N*M) of the parameters,
-            all-gathered across the workers per layer for its forward and backward: FSDP; see docs/zero.md).
-            Checkpoints still hold the full logical model and optimizer state; every worker takes part in
-            saving it (see tfdist.training.save_model).
+        zero_stage: 0 (every replica holds all optimizer state), 1 (each of the N*M replicas holds 1/(N*M) of it),
+            2 (and of the summed gradient) or 3 (and of the parameters: FSDP); every worker takes part in a save.
         offload: with zero_stage > 0, keep the owned optimizer shards (and run their update) in the
             worker's host memory instead of on the replica's device.
-        uneven_data: what happens when the workers' datasets end at different steps: 'stop' (default:
-            every worker ends the epoch where the shortest worker's data ends) or 'join' (workers without
-            data take steps with empty batches until every worker's data ends; the gradient is the mean
-            over the real examples). The agreement rides along with the gradient all-reduce. See
-            docs/uneven-data.md.
+        uneven_data: 'stop' (default: every worker ends the epoch where the shortest worker's data ends) or
+            'join' (workers without data take steps with empty batches until every worker's data ends).
         reuse_input_iterators: True (default): each distributed dataset keeps one input iterator, rewound per
-            pass, as in `tfdist.MirroredStrategy` (no stall at the first step after validation); False: TF's
-            behaviour (a new iterator per epoch and per validation).
+            pass, as in `tfdist.MirroredStrategy`; False: TF's behaviour (a new iterator per epoch and validation).
         bucket_cap_mb: None (default: one all-reduce after the whole backward) or a size in MB (DDP: 25):
-            gradients all-reduced in buckets, each as soon as its gradients exist, as in `tfdist.MirroredStrategy`;
-            `register_comm_hook` compresses them. zero_stage 0 only.
+            gradients all-reduced in buckets, each as soon as its gradients exist; zero_stage 0 only.
         fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
-        ring_piece_mb: None (default) or a size in MB (2 suits 1 Gbit/s links): inside a tf.function, ring
-            all-reduces of at least twice this size run as a chain of all-reduces of about this size, which keeps
-            a slow link busier but costs CPU per op (slower where the ring is CPU-bound, as on fast links);
-            measured both ways in docs/comm.md.
+        ring_piece_mb: None (default) or a size in MB (2 suits 1 Gbit/s links): inside a tf.function, ring all-reduces
+            of at least twice this size run as a chain of all-reduces of about this size (slow links; costs CPU).
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -92,15 +69,7 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         >>> model.fit(data.train, epochs=2, verbose=1 if tfdist.cluster.is_chief(strategy) else 0)
 
-        ZeRO: the Adam state is cut in N*M flat shards, one per replica across all workers;
-        every worker calls save_model (the chief writes the file, the others help gather the state):
-        >>> strategy = tfdist.MultiWorkerMirroredStrategy(zero_stage=2)
-        >>> with strategy.scope():
-        ...     model = tfdist.models.cnn()
-        ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-        >>> model.fit(data.train, epochs=2, callbacks=[tfdist.training.ModelCheckpoint("ckpt/model.keras")])
-        >>> print(strategy.memory_report(model))          # this worker's replicas, read from the variables
-        >>> tfdist.training.save_model(model, "model.keras")  # on every worker
+    Guide: docs/multi-worker.md.
     """
 
     zero_stages = (0, 1, 2, 3)  # stage 3: parameter pieces on the N*M replicas, gathered across workers

@@ -30,26 +30,24 @@ _UNSUPPORTED = {
 class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
     """Asynchronous parameter-server training that works with Keras 3 `compile`/`fit`/`evaluate`/callbacks.
 
-    Variables live on the parameter servers (large ones split over them by `variable_partitioner`; an
-    embedding table split so is created, looked up and updated shard by shard on its servers, so it may
-    exceed any one process's memory: docs/parameter-server.md); the chief coordinates: it schedules each
-    training step on whichever worker is free, and the worker reads the current variables, computes the
-    gradient of its own batch and applies it on the servers without waiting for the others. A slow
-    worker no longer holds everyone back, and a worker that dies only loses its step: the coordinator
-    runs it elsewhere, and the worker, restarted, rejoins.
+    Variables live on the parameter servers (large ones split over them); the chief schedules each training step
+    on whichever worker is free, and the worker applies its gradient on the servers without waiting for the
+    others, so a slow or lost worker does not hold the job back (gradients may be a few steps stale). The same
+    script runs in every process: in a "ps" or "worker" process (TF_CONFIG) the constructor serves and never
+    returns. `fit` takes a dataset function that each worker runs for itself, and needs `steps_per_epoch`.
 
-    Staleness: a worker's gradient is computed from variables read at the start of its step, and
-    others may have updated them since (by at most the number of steps in flight: about one per
-    worker). With W workers this behaves like SGD with delayed gradients; a smaller learning rate
-    than synchronous training with the same global batch is the usual remedy.
+    Args:
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` with "chief", "worker" and
+            "ps" jobs; None reads TF_CONFIG.
+        variable_partitioner: "auto" (default: variables with shards of at least `min_shard_bytes` split along their
+            first axis over the servers, others whole, round-robin), None (never split), or a
+            `tf.distribute.experimental.partitioners.Partitioner`.
+        min_shard_bytes: with "auto", the smallest shard worth splitting into (default 256 KiB).
+        connect_timeout_s: seconds the chief waits for every ps and worker to listen, before a clear
+            error naming the silent ones (no hang).
+        max_in_flight: steps scheduled ahead of the finished ones (default: 2 per worker).
 
-    The same script runs in every process: TF_CONFIG says which job it is. In a "ps" or "worker"
-    process the constructor starts TensorFlow's server and never returns (the launcher stops it when
-    the chief is done); in the "chief" process it connects to the cluster and training goes on.
-
-    Input comes from a dataset function that each worker runs for itself, and `steps_per_epoch` says
-    where an epoch ends (each worker's pipeline should `.repeat()`):
-
+    Example:
         >>> # train.py, run with: tfdist launch -n 2 --ps 1 -- python train.py
         >>> import keras, tfdist
         >>> strategy = tfdist.ParameterServerStrategy()          # ps/workers serve here, forever
@@ -59,22 +57,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         ...     model = tfdist.models.cnn()
         ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         >>> model.fit(dataset_fn, epochs=3, steps_per_epoch=100)
-        >>> model.evaluate(x_test, y_test)                        # on the chief
 
-    Args:
-        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` with "chief", "worker" and
-            "ps" jobs; None reads TF_CONFIG.
-        variable_partitioner: how variables are split over the servers: "auto" (default: variables of
-            at least `min_shard_bytes` per shard are split along their first axis over up to all servers;
-            smaller ones are placed whole, round-robin), None (never split), or a
-            `tf.distribute.experimental.partitioners.Partitioner`.
-        min_shard_bytes: with "auto", the smallest shard worth splitting into.
-        connect_timeout_s: seconds the chief waits for every ps and worker to listen, before a clear
-            error naming the silent ones (no hang).
-        max_in_flight: steps scheduled ahead of the finished ones (default: 2 per worker).
-
-    Not supported, with why: `zero_stage` and `offload` (the optimizer state already lives on the
-    servers), placement options (`stages`, `devices`).
+    Guide: docs/parameter-server.md.
     """
 
     def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None, *,

@@ -47,71 +47,27 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     """Splits variables over the mesh's model axis (Megatron-style) and data over its batch axis.
 
     Same vocabulary as `keras.distribution.ModelParallel`: a `LayoutMap` says which dimension of which variable
-    is split over which mesh axis. Each row of the mesh (one index of `batch_dim_name`) is a replica, as in
-    MirroredStrategy; inside a row, shard k of a split variable is a variable on the row's k-th device, and the
-    split layer computes there. Column-parallel Dense (kernel `(None, "model")`, bias `("model",)`) followed by
-    a row-parallel Dense (kernel `("model", None)`) exchange nothing between them: one all-reduce forward and
-    one backward per pair. Embedding splits its vocabulary (`("model", None)`) or features. Variables without
-    a rule are replicated (computed on the row's first device). Saving writes the full logical variables, so a
-    `.keras` file loads at any mesh shape and in plain Keras.
-
-    The model is split when its optimizer is built (inside `fit`, or `optimizer.build(...)` in the scope), or
-    on its first step, or by `strategy.shard(model)`; build and compile the model inside `scope()`. Like
-    `tfdist.MirroredStrategy`, it keeps one input iterator per distributed dataset (`reuse_input_iterators`).
-
-    Data x tensor x pipeline: a rank-3 mesh `DeviceMesh((B, S, T), ("batch", "stage", "model"))` also splits
-    the model by layers into S pipeline stages, as `tfdist.LayerPlacementStrategy` does (same `placement`,
-    `balance`, `micro_batches`). Stage s of row r runs on that row's model-axis group `devices[r, s, :]`:
-    split layers shard over the group, replicated layers run on its first device, variables and optimizer
-    slots live there, activations cross stages once per boundary.
+    is split over which mesh axis; variables without a rule are replicated. Each row of the mesh (one index of
+    `batch_dim_name`) is a data-parallel replica; a rank-3 mesh ("batch", "stage", "model") also cuts the model into
+    pipeline stages, and the mesh may span processes (`tfdist launch`, or Horovod). Build and compile the model
+    inside `scope()`; saving writes the full logical variables, so a `.keras` file loads at any mesh shape.
 
     Args:
         layout_map: a `tfdist.LayoutMap` (or `keras.distribution.LayoutMap`) over a `tfdist.DeviceMesh`.
         batch_dim_name: the mesh axis along which data is split ("batch"); a mesh without it is one row.
         stage_dim_name: on a rank-3 mesh, the axis of pipeline stages ("stage"); the third axis splits variables.
-        placement: rank-3 meshes only. "auto" (default there: contiguous stages balanced by `balance`), a list
-            of S-1 layer names where stages 2..S start, {layer_name: stage} or {stage: [layer names]}, over the
-            model's top-level layers (see `LayerPlacementStrategy`).
-        balance: what "auto" balances: "params" or "flops" (estimated); counted for the whole (unsplit) layers.
+        placement: rank-3 meshes only: "auto" (default there: contiguous stages balanced by `balance`), a list of S-1
+            layer names where stages 2..S start, {layer_name: stage} or {stage: [layer names]}.
+        balance: what "auto" balances: "params" (default) or "flops" (estimated), counted over whole (unsplit) layers.
         micro_batches: GPipe micro-batches per step (rank-3 meshes; must divide the per-replica batch).
-        stage_streams: one op stream per stage device (see `LayerPlacementStrategy`); None: on when
-            micro_batches > 1.
+        stage_streams: one op stream per stage device (see `LayerPlacementStrategy`); None: on when micro_batches > 1.
         timeout_s: across processes only: seconds to wait for the other processes at start-up and in any one
             collective.
-        zero_stage: ZeRO over the batch axis (rank-2 or rank-3 mesh; across processes rank-2): 0 (default)
-            every row keeps the whole optimizer state of its variables; 1: each trainable variable's optimizer
-            state is cut into R pieces (R rows), piece r on row r's copy of that variable (its shard's device, or
-            the row's first device of its stage for replicated variables); each row updates its piece with the
-            summed gradient and the updated variable is all-gathered to every row; 2: each row also keeps only
-            its piece of the summed gradient; 3 (rank-2 or rank-3 mesh; across processes rank-2): the parameters
-            too, each variable's R row copies become R pieces (piece r on row r's copy's device), all-gathered per
-            layer for its forward and again for its backward, gradients reduce-scattered into the pieces (FSDP).
-            Element-wise optimizers only (SGD, Adam, AdamW, RMSprop, ... as `tfdist.MirroredStrategy`);
-            checkpoints still hold the full logical state. Every stage clips the summed gradient (`clipnorm` by each
-            logical variable's norm, `clipvalue`, `global_clipnorm`) and runs Keras' `use_ema` as one device does.
-        fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in `tfdist.MirroredStrategy`
-            (a layer whose weights total at most `fsdp_unit_bytes` is gathered as one unit with its sublayers; keep
-            gathered parameters until the backward; prefetch the next unit's gather), per device group.
-        backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod" (see below).
-
-    Across processes (`tfdist launch -n N --devices-per-worker M`): the mesh lists every process's devices,
-    '/job:worker/replica:0/task:T/device:CPU:I' (`tfdist.cluster.list_devices()`), the batch axis spans the
-    processes and each process holds whole rows (the model axis stays inside it). Create the mesh and the
-    strategy first thing (before TensorFlow initialises); each process reads its own part of every global batch,
-    gradients are summed over its rows and then across processes per device, so every process applies the same
-    update. Variables start as rank 0's. Save with `tfdist.training.save_model(model, path)` on every process (the
-    chief writes); `predict` returns each process's own part of every batch. See docs/tensor-parallel.md.
-
-    The model axis across processes: a mesh whose rows span processes (`DeviceMesh((1, P * M), ...)` over
-    `tfdist.cluster.list_devices()`, or B rows of P / B processes each) runs SPMD like Megatron-LM: each process
-    creates and computes only its own shards, the processes of a row read the same data, the split layers'
-    sums are TF collective all-reduces among the row's processes. Stage 0 on a rank-2 mesh only; `clipnorm` and
-    `global_clipnorm` sum the shards' squared norms over the row's processes (without gradient accumulation).
-
-    With Horovod (`backend`: "auto" (Horovod under horovodrun / mpirun / `tfdist launch --backend horovod`, TF
-    collectives with TF_CONFIG), "tf" or "horovod"): the same meshes; gradients go through grouped
-    `hvd.allreduce`, a row's sums through `hvd.allreduce` in the row's process set, ZeRO's pieces (whole rows per
-    rank, stages 1-3) through HorovodStrategy's ZeRO collectives (docs/tensor-parallel.md).
+        zero_stage: ZeRO over the batch axis: 0 (default), 1 (each of the R rows keeps 1/R of the optimizer state),
+            2 (and of the summed gradient) or 3 (and of the parameters: FSDP). Element-wise optimizers only.
+        fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
+            `tfdist.MirroredStrategy`, per device group.
+        backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod".
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -129,28 +85,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
         >>> print(strategy.shard_plan(model))          # which device holds which slice
 
-    Data x tensor x pipeline on 8 devices (2 rows x 2 stages x 2 devices per stage; `virtual_cpus(8)` first):
-        >>> mesh = tfdist.DeviceMesh((2, 2, 2), ("batch", "stage", "model"), [f"/cpu:{i}" for i in range(8)])
-        >>> layout_map = tfdist.LayoutMap(mesh)
-        >>> layout_map[".*up.*/kernel"] = (None, "model")
-        >>> layout_map[".*up.*/bias"] = ("model",)
-        >>> layout_map[".*down.*/kernel"] = ("model", None)
-        >>> strategy = tfdist.ModelParallelStrategy(layout_map, placement=["up2"], micro_batches=2)
-        >>> with strategy.scope():           # stage 0: up1, down1 on CPU:0-1 (row 0); stage 1: up2, down2, head
-        ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="up1"),
-        ...                               keras.layers.Dense(8, name="down1"),
-        ...                               keras.layers.Dense(16, activation="relu", name="up2"),
-        ...                               keras.layers.Dense(8, name="down2"), keras.layers.Dense(4, name="head")])
-        ...     model.compile(optimizer="adam", loss="mse")
-        >>> model.fit(np.random.rand(64, 8), np.random.rand(64, 4), batch_size=16, verbose=0)
-        >>> print(strategy.placement_plan(model))      # layer -> stage, split layers, bytes per device, groups
-
-    ZeRO over the batch axis (`zero_stage=1` or 2; across processes too, with any rows per process): each row keeps
-    1/R of every variable's optimizer state, on its own copy of the variable; checkpoints stay logical.
-    `zero_stage=3` also cuts the parameters and gradients into R pieces (across processes too: save with
-    `tfdist.training.save_model` on every process).
-        >>> strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch", zero_stage=1)
-        >>> print(strategy.memory_report(model))       # after fit: optimizer bytes per device 1/R of stage 0's
+    Guide: docs/tensor-parallel.md.
     """
 
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
