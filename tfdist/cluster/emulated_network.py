@@ -47,8 +47,7 @@ def tbf_burst_bytes(bits_per_second: int) -> int:
     """The token bucket of a node's tbf: 10 ms of traffic, never below 64 KB (one GSO packet).
 
     tbf needs a bucket of at least one timer tick of traffic (HZ >= 100), or the rate falls short of the one
-    asked for when its timer fires late on a busy machine (measured at 1 gbit, load ~11: raw TCP 0.96 x link
-    with 10 ms, 0.83 with 1 ms one way). The price: after an idle moment a node sends this many bytes at
+    asked for when its timer fires late on a busy machine (docs/design.md, "Emulated links"). The price: after an idle moment a node sends this many bytes at
     veth speed, so messages not much larger than the bucket (1 MB at 1 gbit) look faster than the link.
 
     Example:
