@@ -243,6 +243,22 @@ def test_public_names_have_one_home():
     assert set(factory.CLASSES) | {"default"} == set(factory.strategy_names())
 
 
+def test_a_process_joins_a_job_in_one_place():
+    """TF's coordination service is configured only by comm/runtime.py (join_tf_job: one init-order check, one
+    heartbeat policy, one peer wait), and Horovod is initialised only by comm/horovod.py (init_horovod)."""
+    calls = {"configure_coordination": set(), "init": set()}
+    for name, path in modules().items():
+        if reach_in(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "configure_coordination":
+                    calls["configure_coordination"].add(name)
+                elif node.func.attr == "init" and isinstance(node.func.value, ast.Name) and node.func.value.id == "hvd":
+                    calls["init"].add(name)
+    assert calls == {"configure_coordination": {"tfdist.comm.runtime"}, "init": {"tfdist.comm.horovod"}}, calls
+
+
 @pytest.mark.slow
 def test_plain_keras_is_untouched_by_tfdist_strategies(python):
     """Plain Keras in the same process, outside tfdist, trains exactly as stock after tfdist strategies
