@@ -6,6 +6,8 @@ import numpy as np
 
 from tfdist.errors import import_extra
 
+__all__ = ["confusion_matrix", "plot_confusion", "plot_curves", "plot_predictions", "pyplot"]
+
 
 def pyplot():
     """matplotlib.pyplot, on the Agg backend outside notebooks (scripts and CI have no display)."""
