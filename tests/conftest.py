@@ -92,10 +92,11 @@ def _horovod_built() -> bool:
 # `make test` runs the suite on two pytest workers (pytest-xdist, --dist loadgroup): on 2 cores a multi-process
 # test leaves a core idle while its processes start, wait on each other or wait out a timeout. A test file is one
 # unit of work (its module fixtures start each topology once, on one worker); files that share a machine-wide
-# resource form one unit: the SLURM daemons.
+# resource form one unit: the SLURM daemons, and the memory-cap proofs (each wants several free GiB to itself).
 SHARED_UNITS = {
     "slurm": ("test_slurm_jobs.py", "test_slurm_cluster.py", "test_slurm_ps.py", "test_preemption.py",
               "test_elastic.py"),
+    "memory": ("test_zero3_cgroup_procs.py", "test_zero3_cgroup.py", "test_ps_embedding.py"),
 }
 _UNIT_OF = {name: unit for unit, names in SHARED_UNITS.items() for name in names}
 
@@ -108,7 +109,21 @@ def _unit(item) -> str:
 # Units that take longest go first, so that neither worker is left with a long one at the end (longest first is
 # the classic rule for packing jobs on two machines). Minutes per unit, from `make test`'s --durations (rounded;
 # only the order matters). Units not listed follow in collection order.
-UNIT_MINUTES: dict[str, float] = {}
+UNIT_MINUTES = {
+    "memory": 5.2, "slurm": 3.4, "test_multiworker_cli.py": 2.8, "test_horovod_multiprocess.py": 2.4,
+    "test_tensor_parallel_horovod.py": 2.2, "test_parameter_server.py": 2.0, "test_zero3.py": 2.0,
+    "test_tensor_parallel_zero.py": 2.0, "test_zero_multiworker.py": 1.8, "test_tensor_parallel_model_procs.py": 1.7,
+    "test_tensor_parallel_procs.py": 1.6, "test_custom_loop_checkpoint.py": 1.5, "test_zero.py": 1.5,
+    "test_comm_api.py": 1.5, "test_tensor_parallel_zero_horovod.py": 1.4, "test_multiworker_preemption.py": 1.4,
+    "test_tensor_parallel_clip.py": 1.2, "test_zero_horovod.py": 1.2, "test_bench_allreduce_horovod_startup.py": 1.1,
+    "test_zero3_procs.py": 1.0, "test_tensor_parallel_zero3.py": 1.0, "test_bench_straggler.py": 0.9,
+    "test_zero3_pieces.py": 0.9, "test_tensor_parallel.py": 0.9, "test_epoch_boundary.py": 0.9,
+    "test_custom_loop.py": 0.8, "test_cli.py": 0.8, "test_multiworker_faults.py": 0.8,
+    "07_parameter_server.ipynb": 0.7, "test_bench_allreduce_links.py": 0.6, "04_zero_cnn.ipynb": 0.5,
+    "test_buckets.py": 0.5, "test_multiworker.py": 0.5, "test_horovod.py": 0.5, "02_multiworker_cnn.ipynb": 0.4,
+    "test_pipeline.py": 0.4, "test_bench_network_scaling.py": 0.4, "test_bench_zero.py": 0.4,
+    "test_tensor_parallel_pipeline.py": 0.4,
+}
 
 
 def pytest_collection_modifyitems(config, items):
