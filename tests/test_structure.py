@@ -16,10 +16,10 @@ PRIVATE_MODULES = ("tensorflow.python", "keras.src", "tensorflow.compiler", "ten
 # Underscore names that are public API of the standard library.
 ALLOWED_PRIVATE = {("os", "_exit"), ("argparse", "_SubParsersAction")}
 
-# package -> the tfdist packages it may import (besides itself, tfdist.errors and tfdist._compat).
+# package -> the tfdist packages it may import (besides itself, tfdist.errors, tfdist.lazy and tfdist._compat).
 # Bottom: errors, _compat, devices, comm (the communication base) and cluster (where processes come from).
 # Capabilities: one package each, over the bottom. Above them: training, then strategies; data, models, cli on top.
-BOTTOM = {"tfdist.errors", "tfdist._compat"}
+BOTTOM = {"tfdist.errors", "tfdist._compat", "tfdist.lazy"}
 BASE = {"tfdist.devices", "tfdist.comm"}
 LAYERS = {
     "tfdist.devices": set(),

@@ -17,9 +17,8 @@ start TensorFlow.
 
 from __future__ import annotations
 
-import importlib
-
 from tfdist.errors import ConfigError, InitOrderError, TfdistError
+from tfdist.lazy import exports
 
 __version__ = "0.1.0"
 
@@ -48,15 +47,4 @@ _LAZY = {
 
 __all__ = ["ConfigError", "InitOrderError", "TfdistError", *_LAZY]
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    value = module if module.__name__ == f"tfdist.{name}" else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(__name__, _LAZY)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 from tfdist.cluster.rank import is_chief, rank, world_size
 from tfdist.cluster.slurm import RankInfo, SlurmCluster, in_slurm_step
+from tfdist.lazy import exports
 
 # Names loaded on first use (some import TensorFlow): `import tfdist.cluster` stays light.
 _LAZY = {
@@ -17,11 +16,4 @@ _LAZY = {
 
 __all__ = ["RankInfo", "SlurmCluster", "in_slurm_step", "is_chief", "rank", "world_size", *_LAZY]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfdist.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = exports(__name__, _LAZY)

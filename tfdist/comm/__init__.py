@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from tfdist.lazy import exports
 
 # public name -> the module that defines it
 _LAZY = {
@@ -34,15 +34,4 @@ __all__ = ["REDUCE_OPS", "CollectiveError", "Group", "WorkerLostError", "all_gat
            "broadcast", "cross_device_ops_from", "gather", "get_backend", "init", "is_initialized", "local_rank",
            "local_size", "new_group", "rank", "recv", "reduce", "reduce_scatter", "scatter", "send", "size"]
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfdist.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY)

@@ -29,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from tfdist.lazy import exports
 
 # public name -> the module that defines it, imported on first use
 _LAZY = {
@@ -41,15 +41,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfdist.tensor_parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY)

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from tfdist.lazy import exports
 
 # public name -> module that defines it; imported on first use (each module imports Keras).
 _LAZY = {
@@ -26,14 +26,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tfdist.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(__name__, _LAZY)
