@@ -79,7 +79,7 @@ def _source_of(item) -> str:
 
 
 def _uses(item, words) -> bool:
-    text = _source_of(item) + " " + " ".join(item.fixturenames).lower()
+    text = _source_of(item) + " " + " ".join(getattr(item, "fixturenames", ())).lower()
     return any(word in text for word in words)
 
 
