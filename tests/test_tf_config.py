@@ -114,7 +114,7 @@ def test_lost_worker_hook_is_installed_once_and_names_the_latest_cluster(monkeyp
 
     import tensorflow as tf
 
-    from tfdist.cluster import faults
+    from tfdist.comm import faults
 
     passed_on = []
     monkeypatch.setattr(sys, "excepthook", lambda exc_type, exc, tb: passed_on.append(exc_type))
