@@ -63,7 +63,7 @@ def slurm(tmp_path_factory):
 # --- tiers ------------------------------------------------------------------------------------------------
 # Every test is in-process unless marked: `slow` (starts processes or runs long), `horovod` (needs the Horovod
 # build), `root` (starts daemons, network namespaces or cgroups). `make quick` deselects all three. The two
-# resource markers are read from what a test (and its module's helpers) names, so a new test is tiered without
+# resource markers are read from what a test's code and fixtures name, so a new test is tiered without
 # anyone remembering to; a test that needs neither but names them is only skipped where they are missing.
 _HOROVOD_WORDS = ("horovod", "hvd.", "mpirun", "mpi4py")
 _ROOT_WORDS = ("slurm", "cgroup", "emulatednetwork", "emulated_network", "link_rate", "netns", "geteuid")
