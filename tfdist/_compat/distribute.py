@@ -278,6 +278,11 @@ class PlacementExtended(MirroredExtended):
             self._slot_references[id(var)] = (var, reference)
         return var
 
+    def _use_merge_call(self) -> bool:
+        # One pipeline is one replica: there is nothing for a merge_call to gather, and without it an update
+        # can sit inside tf.cond, as Keras 3's gradient_accumulation_steps needs.
+        return len(self._devices) > 1 and super()._use_merge_call()
+
 
 # --- MultiWorkerMirroredStrategy ------------------------------------------------------------------
 class CollectiveExtended(_collective_strategy.CollectiveAllReduceExtended):

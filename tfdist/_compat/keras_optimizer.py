@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 
 import tensorflow as tf
@@ -93,7 +94,7 @@ def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> It
 
 def hook_instance_build(optimizer, on_build: Callable) -> None:
     """Makes `optimizer.build(variables)` (this instance only) call `on_build(optimizer, variables)` first."""
-    if getattr(optimizer, "_tfdist_build_hook", None) is on_build:
+    if _build_hooks.get(optimizer) is on_build:
         return
 
     def build(self, variables):
@@ -101,7 +102,12 @@ def hook_instance_build(optimizer, on_build: Callable) -> None:
         return type(self).build(self, variables)
 
     _bind(optimizer, "build", build)
-    object.__setattr__(optimizer, "_tfdist_build_hook", on_build)
+    _build_hooks[optimizer] = on_build
+
+
+# Which build hook an optimizer instance carries. Kept beside the instance, not on it: an attribute of our own
+# would show in dir(optimizer) and make it differ from the same optimizer rebuilt from its config.
+_build_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # --- Reading an optimizer ------------------------------------------------------------------------------

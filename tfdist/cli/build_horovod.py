@@ -50,7 +50,8 @@ _XLA_SOURCE_LINE = re.compile(r"^.*xla_mpi_ops\.cc.*\n", re.MULTILINE)
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build-horovod", help=f"build and install Horovod {HOROVOD_VERSION} for this TensorFlow",
-                       description=__doc__.split("\n\n")[0] + " The wheel is cached; a second run reinstalls it.")
+                       description=f"Builds Horovod {HOROVOD_VERSION} against the installed TensorFlow and caches "
+                                   "the wheel (--cache-dir); a second run only reinstalls it.")
     p.add_argument("--gpu", action="store_true",
                    help="also build NCCL GPU operations (needs CUDA and NCCL; sets HOROVOD_GPU_OPERATIONS=NCCL)")
     p.add_argument("--rebuild", action="store_true", help="ignore the cached wheel and build again")

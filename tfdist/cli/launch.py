@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--devices-per-worker", type=int, default=1,
                    help="local devices per worker (logical CPUs on a machine without GPUs; default 1)")
-    p.add_argument("--backend", default="tf", help="tf (TF_CONFIG, default) or horovod (Gloo rendezvous)")
+    p.add_argument("--backend", default="tf", choices=("tf", "horovod"),
+                   help="tf (TF_CONFIG, default) or horovod (Gloo rendezvous)")
     p.add_argument("--ps", type=int, default=None, metavar="K",
                    help="K >= 1 parameter servers: run a parameter-server job (chief + N workers + K ps; see above)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="R",

@@ -10,26 +10,36 @@ import re
 SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def parse_count(text: str) -> int:
-    """'25M' -> 25_000_000; '1.3B' -> 1_300_000_000; '12345' -> 12345."""
-    from tfdist.errors import ConfigError
-
+def count_argument(text: str) -> int:
+    """'25M' -> 25_000_000; '1.3B' -> 1_300_000_000; '12345' -> 12345. The type of --params: a bad count is
+    argparse's error (exit 2), before TensorFlow starts."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
     if not match:
-        raise ConfigError(f"--params: expected a count such as 25M, 1.3B or 125000000, got {text!r}.")
+        raise argparse.ArgumentTypeError(f"expected a count such as 25M, 1.3B or 125000000, got {text!r}.")
     value = float(match.group(1)) * SUFFIX[match.group(2)]
     if value < 1:
-        raise ConfigError(f"--params must be at least 1, got {text!r}.")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}.")
     return int(round(value))
+
+
+def parse_count(text: str) -> int:
+    """count_argument, with a ConfigError naming --params for a bad count."""
+    from tfdist.errors import ConfigError
+
+    try:
+        return count_argument(text)
+    except argparse.ArgumentTypeError as err:
+        raise ConfigError(f"--params: {err}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory per replica for ZeRO stages and the smallest stage that fits",
                        description="Per-replica bytes of parameters, gradients and optimizer state for ZeRO "
-                                   "stages 0, 1, 2 (fp32 Keras variables), and the smallest stage that fits "
-                                   "--device-memory.")
+                                   "stages 0, 1, 2 and 3 (fp32 Keras variables), and the smallest stage that fits "
+                                   "--device-memory. With --model and --tensor-parallel T: the bytes each of T "
+                                   "model-axis devices holds when the model's variables are split.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", help="number of trainable parameters, e.g. 25M, 1.3B")
+    src.add_argument("--params", type=count_argument, help="number of trainable parameters, e.g. 25M, 1.3B")
     src.add_argument("--model", help="a .keras file: its trainable parameters (and optimizer, if compiled)")
     p.add_argument("--replicas", type=int, default=None,
                    help="data-parallel replicas N (the ZeRO table; needed unless --tensor-parallel is given)")
@@ -76,8 +86,8 @@ def _dtype_bytes(dtype) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from tfdist.errors import ConfigError
-    from tfdist.zero.memory import zero_formula
 
+    # Every check that needs no TensorFlow comes first (importing it takes seconds).
     if args.replicas is None and args.tensor_parallel is None:
         raise ConfigError("--replicas: give the number of data-parallel replicas N (e.g. --replicas 4), or "
                           "--tensor-parallel T with --model.")
@@ -93,14 +103,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--layout is used with --tensor-parallel T; add --tensor-parallel.")
     if args.device_memory is not None and args.device_memory <= 0:
         raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory}.")
-    import keras
-
-    optimizer = None
     if args.model:
         import os
 
         if not os.path.exists(args.model):
             raise ConfigError(f"--model: no file {args.model!r}.")
+    import keras
+
+    from tfdist.zero.memory import zero_formula
+
+    optimizer = None
+    if args.model:
         if args.tensor_parallel is not None:
             from tfdist.cli.plan_tensor_parallel import run_tensor_parallel
 
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         if optimizer_config and not args.optimizer:
             optimizer = keras.optimizers.deserialize(optimizer_config)
     else:
-        num_params = parse_count(args.params)
+        num_params = args.params  # an int: count_argument parsed it
     if optimizer is None:
         try:
             optimizer = keras.optimizers.get(args.optimizer or "adam")

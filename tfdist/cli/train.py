@@ -7,6 +7,8 @@ import json
 import platform
 import time
 
+from tfdist.cli.names import DATASET_NAMES, STRATEGY_NAMES
+
 # Strategies whose builder takes zero_stage (tfdist.zero); extend when another one gains it.
 ZERO_STRATEGIES = ("mirrored", "multiworker", "horovod")
 
@@ -14,11 +16,14 @@ ZERO_STRATEGIES = ("mirrored", "multiworker", "horovod")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the example CNN under a strategy",
                        description="Train tfdist's example CNN on real shipped data under a strategy.")
-    p.add_argument("--strategy", default="mirrored",
-                   help="strategy name: mirrored, default, and those later layers register (default: mirrored)")
+    p.add_argument("--strategy", default="mirrored", choices=STRATEGY_NAMES,
+                   help="mirrored (local devices), multiworker (processes from TF_CONFIG), horovod (Horovod ranks), placement "
+                        "(layers over devices), ps (parameter servers), or default (no distribution); "
+                        "default: mirrored")
     p.add_argument("--replicas", type=int, default=None,
                    help="local replicas: that many GPUs, or logical CPUs on a machine without GPUs")
-    p.add_argument("--dataset", default="mnist", help="mnist (4000 train / 1000 test) or digits")
+    p.add_argument("--dataset", default="mnist", choices=DATASET_NAMES,
+                   help="mnist (4000 train / 1000 test) or digits")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (split across replicas)")
     p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam learning rate")
@@ -36,14 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(sbatch --signal) stop, keep the checkpoint and requeue the SLURM job (tfdist.training.Preemption)")
     p.add_argument("--preempt-at", choices=("epoch", "step"), default="epoch",
                    help="with --backup-dir: stop at the end of the current epoch, or after the current step")
-    p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Keras verbosity (1: progress bar)")
+    p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Keras verbosity (1: progress bar); TensorFlow's own log lines: tfdist --verbose train ...")
     p.set_defaults(run=run)
 
 
 def _check(args: argparse.Namespace) -> None:
+    """What argparse's choices and types do not check; imports no TensorFlow (the strategy and dataset names
+    are argparse choices)."""
     from tfdist.errors import ConfigError
 
-    # The checks that need no TensorFlow first (the strategy and dataset names import it: seconds).
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {args.epochs}.")
     if args.zero_stage and args.strategy not in ZERO_STRATEGIES:
@@ -58,17 +64,10 @@ def _check(args: argparse.Namespace) -> None:
     for parameter, path in (("--save", args.save), ("--json", args.json), ("--plot", args.plot)):
         check_output_path(path, parameter)
     check_output_path(args.backup_dir, "--backup-dir", directory=True)
-    from tfdist.data import DATASET_NAMES
-    from tfdist.strategies import strategy_names
-
-    if args.strategy not in strategy_names():
-        raise ConfigError(f"--strategy must be one of {strategy_names()}, got {args.strategy!r}.")
-    if args.dataset not in DATASET_NAMES:
-        raise ConfigError(f"--dataset must be one of {list(DATASET_NAMES)}, got {args.dataset!r}.")
 
 
 def run(args: argparse.Namespace) -> int:
-    _check(args)  # before TensorFlow starts: bad names fail fast
+    _check(args)  # before TensorFlow starts: bad input fails fast
     import keras
     import tensorflow as tf
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -67,7 +68,7 @@ def _device(t) -> str:
 
 def install(optimizer, skipping: Callable[[], bool], accumulators: Accumulators) -> None:
     """Makes `optimizer.apply` (this instance) accumulate while `skipping()`; once per instance."""
-    if getattr(optimizer, "_tfdist_no_sync", None) is accumulators:
+    if _installed.get(optimizer) is accumulators:
         return
 
     def apply(self, grads, trainable_variables=None):
@@ -82,7 +83,12 @@ def install(optimizer, skipping: Callable[[], bool], accumulators: Accumulators)
         return type(self).apply(self, accumulators.take(grads, positions), trainable_variables)
 
     object.__setattr__(optimizer, "apply", types.MethodType(apply, optimizer))
-    object.__setattr__(optimizer, "_tfdist_no_sync", accumulators)
+    _installed[optimizer] = accumulators
+
+
+# The accumulators installed on each optimizer instance, kept beside it (not as an attribute: dir(optimizer)
+# stays that of plain Keras).
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _position(optimizer, variable, fallback: int) -> int:

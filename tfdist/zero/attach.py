@@ -169,6 +169,13 @@ def _on_build(optimizer, variables) -> None:
             "model.compile) inside `with strategy.scope():`.")
     config = _strategies[target]
     if config is None or config.stage == 0:
+        if optimizer.gradient_accumulation_steps and len(target.extended.worker_devices) > 1:
+            # Keras puts an accumulating update inside tf.cond; local replicas meet in a merge_call, which
+            # cannot run there (stock MirroredStrategy fails the same way, deep inside TensorFlow).
+            raise ConfigError(
+                f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} at zero_stage=0 needs one "
+                f"device per process (this process runs {len(target.extended.worker_devices)} replicas). Use "
+                "zero_stage=1 or higher (its engine accumulates), or strategy.no_sync() in a custom loop.")
         # Stock Keras clips each replica's own gradient and cannot run its EMA overwrite over merge_call
         # replicas; clip the summed gradient and average as ZeRO does, as one device with the global batch.
         if target.num_replicas_in_sync > 1 and SummedGradientUpdate.needed(optimizer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tfdist._compat  # noqa: F401  (the TF/Keras version check, before any reach-in below)
 
+import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -27,14 +28,18 @@ def set_call(layer, fn: Callable) -> None:
     """Makes this layer instance's `__call__` run `fn` instead of its class's `call` (Keras' Layer.__call__
     calls `self.call`); the stock bound method stays available through `original_call`. Bypasses Keras'
     attribute tracking, which would otherwise record the function as layer state."""
-    if "_tfdist_stock_call" not in layer.__dict__:
-        object.__setattr__(layer, "_tfdist_stock_call", layer.call)
+    if layer not in _stock_calls:
+        _stock_calls[layer] = layer.call
     object.__setattr__(layer, "call", fn)
 
 
 def original_call(layer) -> Callable:
     """The layer's stock `call` (bound), also after `set_call`."""
-    return layer.__dict__.get("_tfdist_stock_call", layer.call)
+    return _stock_calls.get(layer, layer.call)
+
+
+# Each wrapped layer's stock bound `call`, kept beside the layer (an attribute would show in dir(layer)).
+_stock_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def local_replica_index(ctx: tf.distribute.ReplicaContext) -> int:
