@@ -51,7 +51,9 @@ def test_plan_reads_model_file_and_its_optimizer(tmp_path, capsys):
 def test_plan_nothing_fits_and_bad_input(capsys):
     assert main(["plan", "--params", "10B", "--replicas", "8", "--device-memory", "1"]) == 1
     assert "no stage fits" in capsys.readouterr().out
-    assert main(["plan", "--params", "lots", "--replicas", "2"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's type check, before TensorFlow would start
+        main(["plan", "--params", "lots", "--replicas", "2"])
+    assert refused.value.code == 2
     assert main(["plan", "--params", "1M", "--replicas", "0"]) == 2
     assert main(["plan", "--params", "1M", "--replicas", "2", "--optimizer", "nope"]) == 2
     err = capsys.readouterr().err

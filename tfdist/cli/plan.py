@@ -19,7 +19,7 @@ def count_argument(text: str) -> int:
     value = float(match.group(1)) * SUFFIX[match.group(2)]
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}.")
-    return int(round(value))
+    return round(value)
 
 
 def parse_count(text: str) -> int:

@@ -17,9 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the example CNN under a strategy",
                        description="Train tfdist's example CNN on real shipped data under a strategy.")
     p.add_argument("--strategy", default="mirrored", choices=STRATEGY_NAMES,
-                   help="mirrored (local devices), multiworker (processes from TF_CONFIG), horovod (Horovod ranks), placement "
-                        "(layers over devices), ps (parameter servers), or default (no distribution); "
-                        "default: mirrored")
+                   help="mirrored (local devices), multiworker (processes from TF_CONFIG), horovod (Horovod "
+                        "ranks), placement (layers over devices), ps (parameter servers), or default (no "
+                        "distribution); default: mirrored")
     p.add_argument("--replicas", type=int, default=None,
                    help="local replicas: that many GPUs, or logical CPUs on a machine without GPUs")
     p.add_argument("--dataset", default="mnist", choices=DATASET_NAMES,
@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(sbatch --signal) stop, keep the checkpoint and requeue the SLURM job (tfdist.training.Preemption)")
     p.add_argument("--preempt-at", choices=("epoch", "step"), default="epoch",
                    help="with --backup-dir: stop at the end of the current epoch, or after the current step")
-    p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Keras verbosity (1: progress bar); TensorFlow's own log lines: tfdist --verbose train ...")
+    p.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
+                   help="Keras verbosity (1: progress bar); TensorFlow's own log lines: tfdist --verbose train ...")
     p.set_defaults(run=run)
 
 

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist._compat import distribute as tf_distribute, keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
@@ -181,25 +181,44 @@ class ZeroEngine:
         return ctx
 
     def _in_variable_order(self, grads: list, variables: list) -> list:
-        """`grads` (for `variables`, in any order) in the order of the engine's variables; every one needed."""
+        """`grads` (for `variables`, in any order) in the order of the engine's variables, each a dense tensor.
+        A variable given no gradient (Keras drops None ones) gets zeros and is recorded in `self.missing`, so
+        that the step leaves it and its state as they were, as stock Keras does."""
         order = [keras_optimizer.variable_index(self.optimizer, v) for v in variables]
-        if sorted(order) != list(range(len(self.variables))):
-            missing = sorted(set(range(len(self.variables))) - set(order))
-            raise ConfigError(f"ZeRO stage {self.stage} needs a gradient for every trainable variable; none for "
-                              f"{[_name(self.variables[i]) for i in missing]}. Set trainable=False on them.")
+        if len(set(order)) != len(order):
+            raise ConfigError(f"ZeRO stage {self.stage}: apply_gradients got two gradients for one variable "
+                              f"({[_name(v) for v in variables]}); pass each variable once.")
         by_index = dict(zip(order, grads))
-        return [by_index[i] for i in range(len(self.variables))]
+        self.missing = frozenset(range(len(self.variables))) - by_index.keys()
+        # IndexedSlices (an embedding's gradient) as the dense gradient they stand for: the shards are dense.
+        return [tf.convert_to_tensor(by_index[i]) if i in by_index
+                else tf.zeros(self.variables[i].shape, self.dtype) for i in range(len(self.variables))]
+
+    missing: frozenset = frozenset()  # engine variables without a gradient in the step being traced
 
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
+        grads = ctx.merge_call(_per_replica, args=tuple(grads))
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, [tf_variable(v) for v in self.variables])
         if not self.optimizer.gradient_accumulation_steps:
             # Where stock Keras decays (replica context, before the update): bit-equal stage 1.
             # With accumulation, only update steps decay, inside the engine's step (`_decay`).
-            keras_optimizer.apply_weight_decay(self.optimizer, self.variables)
+            keras_optimizer.apply_weight_decay(self.optimizer, self._present(self.variables))
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
+
+    def _present(self, items: list) -> list:
+        """`items` (one per engine variable) without those of variables that have no gradient this step."""
+        return [item for k, item in enumerate(items) if k not in self.missing]
+
+    def _kept(self, shard: int) -> tf.Tensor | None:
+        """True where shard `shard` holds elements of a variable without a gradient (None: there are none)."""
+        if not self.missing:
+            return None
+        parts = [np.full(p.stop - p.start, p.var in self.missing) for p in self.layout.pieces(shard)]
+        parts.append(np.zeros(self.layout.padding(shard), bool))
+        return tf.constant(np.concatenate(parts))
 
     def _pieces(self, tensors: list, shard: int) -> tf.Tensor:
         """Shard `shard` of the flat concatenation of `tensors` (one per variable), zero-padded."""
@@ -219,7 +238,11 @@ class ZeroEngine:
         comm, layout = self.comm, self.layout
         n = len(comm.devices)
         local = strategy.experimental_local_results
-        grads = [local(g) for g in grads]  # [variable][local replica]
+        # [variable][local replica]. A gradient that is one tensor (the same on every replica, e.g. made outside the
+        # replica function) is already this process's sum, as stock tf.distribute reduces it: the first local
+        # replica contributes it and the others zeros, which the sum adds exactly.
+        grads = [local(g) if isinstance(g, tf.distribute.DistributedValues)
+                 else (g, *(tf.zeros_like(g) for _ in range(n - 1))) for g in grads]
         params = [local(tf_variable(v)) for v in self.variables]
         lrs = local(learning_rate) if isinstance(learning_rate, tf.distribute.DistributedValues) else [learning_rate] * n
         if not self.reduce_scatters:
@@ -279,9 +302,15 @@ class ZeroEngine:
                 self.shard_params[i].assign(self._pieces([p[i] for p in params], sid))
         keras_optimizer.iteration_counter(self.inner).assign(
             tf.cast(keras_optimizer.iteration_counter(opt), keras_optimizer.iteration_counter(self.inner).dtype))
-        for i, device in enumerate(self.state_devices):
+        for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
             with tf.device(device):
-                self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
+                kept = self._kept(sid)
+                state = [self.shard_params[i], *(self.state.shards(name)[i] for name in self.state.names)]
+                before = [tf.identity(v.value) for v in state] if kept is not None else []
+                with tf.control_dependencies(before):
+                    self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
+                for v, old in zip(state, before):  # variables without a gradient: as they were, state included
+                    v.assign(tf.where(kept, old, v.value))
         fulls = comm.all_gather([s.value for s in self.shard_params])
         for i, device in enumerate(self.state_devices):
             with tf.device(device), tf.control_dependencies(fulls):
@@ -289,7 +318,7 @@ class ZeroEngine:
         self._write_params(fulls, params)
 
     def _decay(self, params: list, lrs: list) -> None:
-        decay(self.optimizer, self.variables, params, lrs, self.comm.devices, self.dtype)
+        decay(self.optimizer, self._present(self.variables), self._present(params), lrs, self.comm.devices, self.dtype)
 
     def _write_params(self, fulls: list, params: list) -> None:
         """Copies each local replica's gathered flat vector `fulls[i]` into its parameters."""
@@ -333,6 +362,16 @@ def tf_variable(variable):
     """The tf.Variable (mirrored under a strategy) behind a Keras variable, or a tf.Variable itself:
     Keras 3 optimizers take both, and `.value` is a tensor property on one and a method on the other."""
     return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _per_replica(strategy, *grads) -> list:
+    """Cross-replica context: every gradient as per-replica values. One that is a single tensor (the same on every
+    replica, e.g. made outside the replica function) is already this process's sum, as stock tf.distribute reduces
+    it: the first local replica gets it and the others zeros, which the sum adds exactly. The replicas then reduce
+    a list of one kind, which TF's batch all-reduce needs."""
+    n = len(strategy.extended.worker_devices)
+    return [g if isinstance(g, tf.distribute.DistributedValues) else tf_distribute.regroup_per_replica(
+        [g, *(tf.zeros_like(g) for _ in range(n - 1))]) for g in grads]
 
 
 def _name(variable) -> str:

@@ -108,6 +108,10 @@ class Zero3Engine(ZeroEngine):
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads[j]` is this replica's reduce-scattered piece of variable j's gradient."""
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
+        if self.missing:  # a gradient piece comes from the layer's own backward; without one there is nothing to cut
+            raise ConfigError(f"ZeRO stage 3 needs a gradient for every trainable variable; none for "
+                              f"{[self.variables[i].path for i in sorted(self.missing)]}. Set trainable=False on "
+                              "them, or use zero_stage=2.")
         for j, g in enumerate(grads):
             if g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]):
                 raise ConfigError(
