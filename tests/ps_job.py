@@ -71,6 +71,14 @@ dist_loss, dist_accuracy = model.evaluate(dataset_fn, steps=5, verbose=0, callba
 test_step_writes = sorted({op.type for g in TestGraphs.graphs for op in g.get_operations()
                            if op.type.startswith("Assign") and op.type.endswith("VariableOp")})
 model.save(os.path.join(out_dir, "model.keras"))
+# tfdist.data's two lines, unchanged from the synchronous strategies: the helper hands this strategy a dataset
+# function that knows its steps per epoch.
+data = tfdist.data.digits(global_batch_size=32, strategy=strategy)
+with strategy.scope():
+    small = keras.Sequential([keras.Input(data.arrays.input_shape), keras.layers.Flatten(), keras.layers.Dense(10)])
+    small.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+helper = {"callable": callable(data.train), "steps_per_epoch": data.train.steps_per_epoch,
+          "history": small.fit(data.train, validation_data=data.test, epochs=1, verbose=0).history}
 # An embedding table split over both servers: its gradient is IndexedSlices per shard, joined.
 tokens = tf.random.stateless_uniform((512, 12), seed=(1, 2), maxval=4000, dtype=tf.int32)
 labels = tf.reduce_max(tokens, axis=1) % 10
@@ -99,7 +107,7 @@ shards = {v.path: [s.device for s in getattr(v.value, "variables", [v.value])]
           for v in model.variables + model.optimizer.variables}
 with open(os.path.join(out_dir, "result.json"), "w") as f:
     json.dump({"test_accuracy": accuracy, "test_loss": loss, "worker_eval_accuracy": dist_accuracy,
-               "test_step_writes": test_step_writes,
+               "test_step_writes": test_step_writes, "helper": helper,
                "history": history.history, "shards": shards, "errors": errors, "embedding": embedding,
                "predict": model.predict(arrays.x_test[:8], verbose=0).argmax(1).tolist()}, f)
 print("ps_job: done", flush=True)

@@ -60,3 +60,15 @@ def test_load_checks_the_batch_against_the_strategy():
 def test_unknown_dataset_is_named():
     with pytest.raises(tfdist.ConfigError, match=r"dataset must be one of \['mnist', 'digits'\], got 'cifar'"):
         tfdist.data.load_arrays("cifar")
+
+
+def test_the_dataset_function_for_parameter_servers_repeats_and_knows_its_pass():
+    """What `tfdist.data.load(..., strategy=ParameterServerStrategy)` hands out as `train` (a job checks it in
+    tests/test_parameter_server.py): an endless pipeline per worker and one pass's steps."""
+    arrays = tfdist.data.load_arrays("digits")
+    fn = tfdist.data.PerWorkerInput(arrays.x_train, arrays.y_train, 32)
+    assert fn.steps_per_epoch == 45  # 1438 images, the last batch short
+    batches = list(fn(None).take(50))  # more than one pass: it repeats
+    assert len(batches) == 50 and all(x.shape[1:] == (8, 8, 1) for x, _ in batches)
+    labels = np.concatenate([y.numpy() for _, y in batches])
+    assert sorted(labels[:1438].tolist()) == sorted(arrays.y_train.tolist())  # the first pass: every image once

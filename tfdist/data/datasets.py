@@ -11,7 +11,7 @@ from tfdist.data.batching import per_replica_batch_size
 from tfdist.data.epochs import EpochOrder
 from tfdist.errors import ConfigError, import_extra
 
-__all__ = ["Arrays", "Datasets", "load_arrays", "mnist", "digits", "load", "DATASET_NAMES"]
+__all__ = ["Arrays", "Datasets", "PerWorkerInput", "load_arrays", "mnist", "digits", "load", "DATASET_NAMES"]
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,38 @@ class Arrays:
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
 
+@dataclass(frozen=True, eq=False)
+class PerWorkerInput:
+    """The training data as `ParameterServerStrategy`'s `fit` takes it: a dataset function from which every worker
+    builds its own endless pipeline, each in its own shuffled order, with `steps_per_epoch` one pass over the data.
+
+    Example:
+        >>> data = tfdist.data.mnist(global_batch_size=64, strategy=ps_strategy)   # data.train is one of these
+        >>> model.fit(data.train, validation_data=data.test, epochs=3)            # steps_per_epoch from it
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    batch_size: int
+    shuffle: bool = True
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.x) // self.batch_size)
+
+    def __call__(self, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        ds = tf.data.Dataset.from_tensor_slices((self.x, self.y))
+        if self.shuffle:  # no seed: each worker draws its own order, so they do not train on the same batches
+            ds = ds.shuffle(len(self.x), reshuffle_each_iteration=True)
+        return ds.repeat().batch(self.batch_size).prefetch(tf.data.AUTOTUNE)
+
+
 @dataclass(frozen=True)
 class Datasets:
-    """Batched train/test `tf.data` pipelines and the arrays they were built from."""
+    """Batched train/test `tf.data` pipelines and the arrays they were built from. Under a parameter-server
+    strategy `train` is a `PerWorkerInput` (the dataset function its `fit` takes) and `order` is None."""
 
-    train: tf.data.Dataset
+    train: tf.data.Dataset | PerWorkerInput
     test: tf.data.Dataset
     arrays: Arrays
     global_batch_size: int
@@ -110,7 +137,8 @@ def load(
     of an epoch may be smaller (nothing is dropped; tf.distribute splits it as evenly as it can).
     Training data is reshuffled every epoch; test data keeps its order. Epoch e's order depends only
     on (seed, e) (`Datasets.order`, a `tfdist.data.EpochOrder`): pass `data.order` to fit as a callback
-    and a run restored at epoch e trains on what an uninterrupted run would have.
+    and a run restored at epoch e trains on what an uninterrupted run would have. Under a
+    `ParameterServerStrategy`, `train` is the dataset function its `fit` takes (`PerWorkerInput`).
 
     Example:
         >>> data = tfdist.data.load("digits", global_batch_size=64, strategy=strategy)
@@ -119,6 +147,11 @@ def load(
     replicas = strategy.num_replicas_in_sync if strategy is not None else (num_replicas or 1)
     per_replica_batch_size(global_batch_size, replicas)
     arrays = load_arrays(name, seed=seed)
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        # Workers cannot be handed a pipeline made here: each builds its own from a dataset function.
+        train = PerWorkerInput(arrays.x_train, arrays.y_train, global_batch_size, shuffle)
+        return Datasets(train, _pipeline(arrays.x_test, arrays.y_test, global_batch_size, None), arrays,
+                        global_batch_size)
     order = EpochOrder(seed) if shuffle else None
     train = _pipeline(arrays.x_train, arrays.y_train, global_batch_size, order)
     test = _pipeline(arrays.x_test, arrays.y_test, global_batch_size, None)

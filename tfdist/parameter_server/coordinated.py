@@ -162,6 +162,8 @@ def _fit(model, x=None, y=None, *, strategy, stock, max_in_flight, steps_per_epo
          validation_data=None, **kwargs):
     if y is not None:
         raise ConfigError("ParameterServerStrategy: fit takes no y= ; the dataset function yields (x, y) batches.")
+    if steps_per_epoch is None:  # tfdist.data's dataset functions know their pass (tfdist.data.PerWorkerInput)
+        steps_per_epoch = getattr(x, "steps_per_epoch", None)
     steps = _require_steps(steps_per_epoch, "steps_per_epoch", "fit")
     data = PerWorkerDataset(x, strategy.coordinator, strategy)
     scheduled = _scheduled(model, strategy, model.train_step, steps, max_in_flight)
