@@ -344,8 +344,32 @@ def test_a_weight_read_outside_its_layers_call_is_named():
         fit(model, epochs=1)
 
 
-def test_regularizers_and_constraints_are_refused():
-    for kw, words in (({"kernel_regularizer": "l2"}, "regularizers"),
+def regularized():
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="tanh", kernel_initializer=init(1), kernel_regularizer=keras.regularizers.L2(0.01),
+                           bias_regularizer=keras.regularizers.L1(0.01), name="l2_l1"),
+        keras.layers.Dense(10, activation="softmax", kernel_initializer=init(2),
+                           kernel_regularizer=keras.regularizers.L1L2(l1=0.005, l2=0.02), name="l1l2"),
+    ])
+
+
+def test_l1_l2_and_l1l2_weight_regularizers_train_at_stage3_as_at_stage0():
+    """Each replica adds the penalty of its own piece: the loss Keras reports, the weights and the Adam state equal
+    stage 0's (which reads whole weights), and model.losses outside a step is the whole weights' penalty."""
+    (_, ref), (_, model) = make(0, regularized), make(3, regularized)
+    ref_loss, loss = fit(ref), fit(model)
+    assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-5
+    assert max_rel(ref.get_weights(), model.get_weights()) < 1e-5
+    assert max_rel(state(ref), state(model)) < 1e-5
+    assert max_rel([np.array([float(t) for t in ref.losses])], [np.array([float(t) for t in model.losses])]) < 1e-5
+    assert [layer.get_config() for layer in model.layers] == [layer.get_config() for layer in ref.layers]
+
+
+def test_other_regularizers_and_constraints_are_refused():
+    for kw, words in (({"kernel_regularizer": keras.regularizers.OrthogonalRegularizer(0.01)},
+                       r"OrthogonalRegularizer.*only L1 or L2 or L1L2"),
                       ({"kernel_constraint": "non_neg"}, "constraint")):
         _, model = make(3, lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(10, name="d", **kw)]))
         with pytest.raises(ConfigError, match=words):

@@ -194,5 +194,7 @@ def _model_of(strategy, variables):
         if wanted <= {id(v) for v in model.trainable_variables}:
             return model
     raise ConfigError("zero_stage=3 shards the parameters of a Keras model created inside the strategy's scope; "
-                      "the optimizer is being built for variables of no such model. Create the model (and "
-                      "compile it) inside `with strategy.scope():`.")
+                      "the optimizer is being built for variables of no such model. A stage-3 weight is gathered "
+                      "only around its layer's call, and a bare variable has no call to gather it for. Create the "
+                      "model (and compile it) inside `with strategy.scope():`, or use zero_stage=2 for bare "
+                      "variables (optimizer state and gradients sharded, parameters replicated).")

@@ -18,6 +18,7 @@ from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
 from tfdist.zero.fsdp.param import FsdpParam
 from tfdist.zero.fsdp.piece_state import PieceState
+from tfdist.zero.fsdp.regularizers import ADDITIVE, shard_regularizers
 from tfdist.zero.fsdp.unit import FsdpUnit
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
@@ -190,9 +191,10 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     pieces and wraps each layer that owns some of them as an `FsdpUnit`."""
     variables = list(variables)
     _check_variables(variables)
-    units = find_units(model, variables, config.unit_bytes)
+    units = find_units(model, variables, config.unit_bytes, piece_regularizers=True)
     engine = Zero3Engine(optimizer, variables, config)
     shard_parameters(engine, variables, config)
+    shard_regularizers(variables, engine.params)
     param_of = {id(v): p for v, p in zip(variables, engine.params)}
     for layer, owned in units:
         engine.units.append(FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], config.collectives,
@@ -246,11 +248,13 @@ def _check_variables(variables: list) -> None:
                           f"after every update: {bad}. Remove the constraints or use zero_stage=2.")
 
 
-def find_units(model, variables: list, unit_bytes: int | None = None, whole=lambda layer: False) -> list[tuple]:
+def find_units(model, variables: list, unit_bytes: int | None = None, whole=lambda layer: False, *,
+               piece_regularizers: bool = False) -> list[tuple]:
     """(layer, its trainable variables to shard) for the top-most layers that own some of `variables`
     directly, or (with `unit_bytes`) whose weights, sublayers' included, total at most `unit_bytes`, or for
     which `whole(layer)` is true; a unit includes the variables of its sublayers (like FSDP's size-based
-    auto-wrap, top-down)."""
+    auto-wrap, top-down). Weight regularizers are refused unless `piece_regularizers` (the caller then takes
+    them per piece, `shard_regularizers`) and they are sums over elements."""
     wanted = {id(v) for v in variables}
     units, seen = [], set()
 
@@ -263,13 +267,16 @@ def find_units(model, variables: list, unit_bytes: int | None = None, whole=lamb
             sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in owned) <= unit_bytes
         small = small or bool(owned and whole(layer))
         if small or any(id(v) in wanted for v in fsdp_keras.direct_trainable_variables(layer)):
-            attributes = ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer")
-            regularized = [v.path for v in owned if getattr(v, "regularizer", None) is not None] + [
-                f"{layer.name}.{a}" for a in attributes if getattr(layer, a, None) is not None]
-            if regularized:
-                raise ConfigError(f"zero_stage=3: layer {layer.name!r} has regularizers ({regularized}), which read "
-                                  "whole weights outside the layer's call. Remove them (or add the penalty to the "
-                                  "loss inside the call) or use zero_stage=2.")
+            regularized = [v for v in owned if getattr(v, "regularizer", None) is not None]
+            refused = [f"{v.path} ({type(v.regularizer).__name__})" for v in regularized
+                       if not (piece_regularizers and type(v.regularizer) in ADDITIVE)]
+            if refused:
+                allowed = " or ".join(c.__name__ for c in ADDITIVE)
+                which = (f"only {allowed} (sums over elements, taken on each piece) are supported here"
+                         if piece_regularizers else "a mesh's stage-3 pieces take none yet")
+                raise ConfigError(f"zero_stage=3: layer {layer.name!r} has regularizers ({refused}) that read whole "
+                                  f"weights outside the layer's call; {which}. Remove them (or add the penalty to "
+                                  "the loss inside the call) or use zero_stage=2.")
             units.append((layer, owned))
             return
         for sub in fsdp_keras.sublayers(layer):
