@@ -6,7 +6,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from keras.src.testing import TestCase
 
 import tfdist
@@ -66,7 +65,8 @@ def test_a_model_and_optimizer_built_under_a_strategy_are_their_plain_keras_twin
     plain.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     if strategy_name == "model-parallel" and optimizer == "sgd-accumulate-ema":
         # Keras puts an accumulating update inside tf.cond, which rows meeting in a merge_call cannot run.
-        with pytest.raises(tfdist.ConfigError, match="gradient_accumulation_steps=2 at zero_stage=0 needs one mesh row"):
+        with pytest.raises(tfdist.ConfigError,
+                           match="gradient_accumulation_steps=2 at zero_stage=0 needs one mesh row"):
             twin.fit(X, Y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         return
     if strategy_name == "mirrored-zero0" and optimizer == "sgd-accumulate-ema":

@@ -348,7 +348,8 @@ def regularized():
     init = keras.initializers.GlorotUniform
     return keras.Sequential([
         keras.Input((8,)),
-        keras.layers.Dense(16, activation="tanh", kernel_initializer=init(1), kernel_regularizer=keras.regularizers.L2(0.01),
+        keras.layers.Dense(16, activation="tanh", kernel_initializer=init(1),
+                           kernel_regularizer=keras.regularizers.L2(0.01),
                            bias_regularizer=keras.regularizers.L1(0.01), name="l2_l1"),
         keras.layers.Dense(10, activation="softmax", kernel_initializer=init(2),
                            kernel_regularizer=keras.regularizers.L1L2(l1=0.005, l2=0.02), name="l1l2"),

@@ -8,12 +8,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist._compat import distribute as tf_distribute, keras_model, keras_optimizer, tf_runtime
+from tfdist._compat import distribute as tf_distribute
+from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.zero.flat_layout import FlatLayout
-from tfdist.zero.optimizer_step import accumulate_or_update, decay, ema_step, update_averages
+from tfdist.zero.optimizer_step import (
+    accumulate_or_update,
+    decay,
+    ema_step,
+    update_averages,
+)
 from tfdist.zero.owned_slots import SlotShards
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
@@ -201,7 +207,8 @@ class ZeroEngine:
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
         grads = ctx.merge_call(_per_replica, args=tuple(grads))
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
-            grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads, [tf_variable(v) for v in self.variables])
+            grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads,
+                                                         [tf_variable(v) for v in self.variables])
         if not self.optimizer.gradient_accumulation_steps:
             # Where stock Keras decays (replica context, before the update): bit-equal stage 1.
             # With accumulation, only update steps decay, inside the engine's step (`_decay`).
@@ -238,9 +245,9 @@ class ZeroEngine:
         comm, layout = self.comm, self.layout
         n = len(comm.devices)
         local = strategy.experimental_local_results
-        # [variable][local replica]. A gradient that is one tensor (the same on every replica, e.g. made outside the
-        # replica function) is already this process's sum, as stock tf.distribute reduces it: the first local
-        # replica contributes it and the others zeros, which the sum adds exactly.
+        # [variable][local replica]. A gradient that is one tensor (the same on every replica, e.g. made outside
+        # the replica function) is already this process's sum, as stock tf.distribute reduces it: the first
+        # local replica contributes it and the others zeros, which the sum adds exactly.
         grads = [local(g) if isinstance(g, tf.distribute.DistributedValues)
                  else (g, *(tf.zeros_like(g) for _ in range(n - 1))) for g in grads]
         params = [local(tf_variable(v)) for v in self.variables]

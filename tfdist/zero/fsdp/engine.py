@@ -13,13 +13,13 @@ from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_pieces, scale_pieces
 from tfdist.zero.config import ZeroConfig
 from tfdist.zero.engine import ZeroEngine
-from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
 from tfdist.zero.fsdp.param import FsdpParam
 from tfdist.zero.fsdp.piece_state import PieceState
 from tfdist.zero.fsdp.regularizers import ADDITIVE, shard_regularizers
 from tfdist.zero.fsdp.unit import FsdpUnit
+from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
 
