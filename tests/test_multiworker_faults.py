@@ -52,12 +52,44 @@ TRAIN = textwrap.dedent('''
     backup = BackupAndRestore(backup_dir, strategy=strategy)
     ran = []
 
+    # Faults the backup life-cycle test injects: FAULTS = "point:rank:round,...", each killing that rank in that
+    # round of the launcher (TFDIST_RESTART_COUNT) at that point: "write" (the chief's backup of epoch 3 is
+    # written but not yet renamed), "restore" (inside the restore), "end" (3 s into on_train_end, after the
+    # other ranks have finished fit).
+    round_ = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
+    faults = {point for point, r, k in (f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f)
+              if int(r) == rank and int(k) == round_}
+
+    def die():
+        print("KILLED", rank, "in round", round_, flush=True)
+        os.kill(os.getpid(), 9)
+
+    if "write" in faults:
+        rename = os.rename
+        os.rename = lambda src, dst: die() if os.path.basename(src).startswith(".tmp-epoch-3") else rename(src, dst)
+    if "restore" in faults:
+        load = model.load_weights
+        object.__setattr__(model, "load_weights", lambda *a, **k: die())
+    seen = {"before": sorted(os.listdir(backup_dir)) if os.path.isdir(backup_dir) else []}
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):  # after the backup's: what the restore left in the directory
+            seen["after_restore"] = sorted(os.listdir(backup_dir)) if os.path.isdir(backup_dir) else []
+            print("SEEN", rank, round_, seen, flush=True)
+
+    class EndFault(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):  # before the backup's: callbacks run in list order
+            if "end" in faults:
+                import time
+                time.sleep(3)
+                die()
+
     class Log(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):  # after the backup: the chief has saved this epoch
             ran.append(epoch)
             print("EPOCH_END", epoch, flush=True)
 
-    model.fit(train, epochs=epochs, verbose=0, callbacks=[order, backup, Log()])
+    model.fit(train, epochs=epochs, verbose=0, callbacks=[order, EndFault(), backup, Seen(), Log()])
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     np.save(os.path.join(out, f"weights-rank{rank}.npy"), weights)
     print("RESULT", {"restored": backup.restored_epoch, "ran": ran}, flush=True)
@@ -75,17 +107,23 @@ def _result(log: str, rank: int) -> dict:
     return eval(line.split("RESULT", 1)[1])  # a dict literal printed by the job
 
 
-def test_kill_a_worker_then_resume_to_identical_weights(tmp_path):
-    script = tmp_path / "train.py"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The training script and the weights of its uninterrupted run (shared by the fault tests below)."""
+    root = tmp_path_factory.mktemp("faults")
+    script = root / "train.py"
     script.write_text(TRAIN)
-
-    # 1. The uninterrupted run.
-    clean = tmp_path / "clean"
+    clean = root / "clean"
     clean.mkdir()
-    rc, log = _launch([sys.executable, str(script), str(clean), str(tmp_path / "clean-backup"), str(EPOCHS)])
+    rc, log = _launch([sys.executable, str(script), str(clean), str(root / "clean-backup"), str(EPOCHS)])
     assert rc == 0, log[-3000:]
     assert _result(log, 0) == {"restored": None, "ran": list(range(EPOCHS))}
-    assert not (tmp_path / "clean-backup").exists()  # deleted by the chief after success
+    assert not (root / "clean-backup").exists()  # deleted by the chief after success
+    return script, np.load(clean / "weights-rank0.npy")
+
+
+def test_kill_a_worker_then_resume_to_identical_weights(tmp_path, uninterrupted):
+    script, reference = uninterrupted
 
     # 2. Two workers started directly (no launcher to stop them): SIGKILL worker 1 after epoch 2.
     #    Worker 0 must fail on its own, within 60 s, naming the lost task.
@@ -133,10 +171,38 @@ def test_kill_a_worker_then_resume_to_identical_weights(tmp_path):
     assert rc == 0, log[-3000:]
     for rank in (0, 1):
         assert _result(log, rank) == {"restored": epochs_done, "ran": list(range(epochs_done, EPOCHS))}
-    reference = np.load(clean / "weights-rank0.npy")
     for rank in (0, 1):
         assert np.abs(np.load(run / f"weights-rank{rank}.npy") - reference).max() <= 1e-6
     assert f"resuming at epoch {epochs_done + 1}" in log
+
+
+def test_no_completed_work_is_lost_at_any_point_of_the_backup_life_cycle(tmp_path, uninterrupted):
+    """One launch, four rounds of the launcher (max_restarts=3), a kill in each of the first three:
+    round 0: the chief, with epoch 3's backup written but not yet in place; round 1: worker 1, inside its restore;
+    round 2: worker 1 after every rank has finished fit (the chief is already in its on_train_end).
+    Each restart resumes from the last complete backup (epoch 2, epoch 2, the last epoch), the partial copy is
+    gone once training starts again, the last round trains nothing, and the weights are the uninterrupted run's."""
+    script, reference = uninterrupted
+    run, backup = tmp_path / "run", tmp_path / "backup"
+    run.mkdir()
+    out = io.StringIO()
+    rc = launch([sys.executable, str(script), str(run), str(backup), str(EPOCHS)], 2, out=out, timeout_s=300,
+                max_restarts=3, env={"TF_CPP_MIN_LOG_LEVEL": "2", "FAULTS": "write:0:0,restore:1:1,end:1:2"})
+    log = out.getvalue()
+    assert rc == 0, log[-4000:]
+    killed = [line.split("KILLED", 1)[1].strip() for line in log.splitlines() if "KILLED" in line]
+    assert killed == ["0 in round 0", "1 in round 1", "1 in round 2"], log[-4000:]
+    seen = {(int(r), int(k)): eval(rest) for r, k, rest in (  # what rank r found in round k
+        line.split("SEEN", 1)[1].split(None, 2) for line in log.splitlines() if "SEEN" in line)}
+    partial = [name for name in seen[0, 1]["before"] if name.startswith(".tmp-epoch-3-")]
+    assert seen[0, 1]["before"] == [*partial, "epoch-2"] and len(partial) == 1, seen  # the chief died mid-write
+    assert seen[0, 1]["after_restore"] == ["epoch-2"], seen  # removed when training starts again
+    assert seen[0, 3]["before"] == [f"epoch-{EPOCHS}"], seen  # round 2's chief finished but deleted nothing
+    last = [eval(line.split("RESULT", 1)[1]) for line in log.splitlines() if "RESULT" in line]
+    assert last[-2:] == [{"restored": EPOCHS, "ran": []}] * 2, log[-4000:]  # round 3: nothing left to train
+    assert not backup.exists()  # deleted once every rank had finished
+    for rank in (0, 1):
+        assert np.abs(np.load(run / f"weights-rank{rank}.npy") - reference).max() <= 1e-6
 
 
 def test_a_peer_that_never_starts_gives_a_clear_error(tmp_path):

@@ -8,9 +8,10 @@ import re
 import shutil
 
 import keras
+import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.cluster.rank import is_chief
+from tfdist.cluster.rank import is_chief, world_size
 from tfdist.zero.attach import gathered_state
 
 __all__ = ["BackupAndRestore"]
@@ -27,7 +28,9 @@ class BackupAndRestore(keras.callbacks.Callback):
       workers see: the same machine, or a shared file system);
     - each backup (model and optimizer weights, and the epoch) appears atomically as
       `backup_dir/epoch-N` (written under a temporary name, then renamed), so a worker killed while
-      saving leaves the previous backup intact (its partial copy is removed at the next backup);
+      saving leaves the previous backup intact (its partial copy is removed when training starts again);
+    - with `delete_on_success`, the backup goes only once every rank has finished `fit`: a rank lost
+      after the chief is done makes the restarted job resume from it instead of starting over;
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated.
       With shuffled data, also use `tfdist.data.EpochOrder` (`tfdist.data.load(...).order`) so
       epoch N sees the same order as in an uninterrupted run, and the result is bitwise the same.
@@ -70,6 +73,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.restored_epoch = None
+        if self._chief():
+            self._remove_partial()  # what a chief killed while writing left behind
         latest = self.latest()
         if latest is None:
             return
@@ -112,5 +117,26 @@ class BackupAndRestore(keras.callbacks.Callback):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_end(self, logs=None):
-        if self.delete_on_success and self._chief():
+        if not self.delete_on_success:
+            return
+        # Only once every rank has finished: a rank that fails after the chief is done restarts the job, which
+        # must find the last backup, not start over. A lost rank fails this collective, and nothing is deleted.
+        all_ranks_finished(self._strategy or self.model.distribute_strategy)
+        if self._chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def _remove_partial(self) -> None:
+        if os.path.isdir(self.backup_dir):
+            for name in os.listdir(self.backup_dir):
+                if _PARTIAL.match(name):
+                    shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+
+def all_ranks_finished(strategy: tf.distribute.Strategy) -> None:
+    """Collective over the processes that train under `strategy` (a SUM of one per replica): it returns once
+    every one of them has called it, and fails if one is gone. Nothing to wait for in a single process, or
+    under a parameter-server strategy (only its chief runs `fit`)."""
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy) or world_size(strategy) <= 1:
+        return
+    ones = strategy.experimental_distribute_values_from_function(lambda _: tf.constant(1.0))
+    strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None)
