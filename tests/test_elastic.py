@@ -286,3 +286,41 @@ def test_slurm_step_relaunch_resumes_to_identical_weights(slurm, tmp_path, refer
     assert log.count("RESULT {'restored': 3, 'ran': [3, 4]}") == 2, log[-4000:]
     for rank in (0, 1):
         assert np.abs(np.load(out / f"weights-rank{rank}.npy") - reference).max() <= 1e-6
+
+
+# --- Horovod without a launcher watching: the survivor names the lost rank itself ------------------------------
+@pytest.mark.slow
+def test_a_lost_horovod_rank_is_named_by_its_peer_within_60_s(tmp_path):
+    """Two Gloo ranks started directly (no launcher to notice anything): rank 1 SIGSTOPs itself mid-epoch in one
+    run and SIGKILLs itself in the other; rank 0 ends by itself within 60 s with one line naming rank 1's host
+    and pid and what became of it, instead of Gloo's timeout text."""
+    pytest.importorskip("horovod.tensorflow")
+    import socket
+
+    from tfdist.cluster.backends import GlooBackend
+
+    for sig, fate in (("STOP", "it stopped answering"), ("KILL", "it exited")):
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "JOB_BACKEND": "horovod",
+               "JOB_FAULTS": f"0:{sig}:1:1:3"}
+        with GlooBackend().environments(2, 1) as envs:
+            procs = [subprocess.Popen([PY, str(JOB), str(tmp_path), str(tmp_path / f"backup-{sig}"), "3"],
+                                      env={**env, **e}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for e in envs]
+            try:
+                log0, _ = procs[0].communicate(timeout=120)
+                ended = time.time()
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()  # also ends the stopped rank
+                    p.wait()
+        log1 = procs[1].stdout.read()
+        procs[1].stdout.close()
+        fault = next(line for line in log1.splitlines() if line.startswith(f"FAULT SIG{sig}"))
+        seconds = ended - float(fault.split()[3])
+        named = next((line for line in log0.splitlines() if "tfdist: error:" in line), "")
+        print(f"\nSIG{sig}: rank 0 ended {seconds:.1f} s later: {named}")
+        assert procs[0].returncode != 0 and seconds < 60, (seconds, log0[-3000:])
+        assert (f"tfdist: error: rank 0 lost rank 1 (host {socket.gethostname()}, pid {procs[1].pid}): {fate}"
+                in named), log0[-3000:]
+        assert "Traceback" not in log0, log0[-3000:]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from tfdist.comm.tf_config import ClusterConfig
 from tfdist.errors import TfdistError
 
-__all__ = ["WorkerLostError", "install_excepthook", "lost_worker_error", "startup_watchdog"]
+__all__ = ["WorkerLostError", "add_lost_peer_namer", "install_excepthook", "lost_worker_error", "startup_watchdog"]
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 _ADDRESS = re.compile(r"(?:ipv4:|ipv6:|//)?\[?([\w.:-]+?)\]?:(\d{2,5})\b")
@@ -74,7 +74,7 @@ def _lost_task(text: str, config: ClusterConfig) -> str | None:
 
 # The hook this process installed, and the cluster it names: installed once, however many
 # strategies are created; a later call only changes which cluster the hook names.
-_HOOK: dict = {"installed": False, "config": None}
+_HOOK: dict = {"installed": False, "config": None, "namers": []}
 _HOOK_LOCK = threading.Lock()
 
 
@@ -86,12 +86,30 @@ def install_excepthook(config: ClusterConfig | None) -> None:
     """
     with _HOOK_LOCK:
         _HOOK["config"] = config
+    _install()
+
+
+def add_lost_peer_namer(namer) -> None:
+    """Adds `namer(exception) -> WorkerLostError | None` to the uncaught-exception hook (e.g. Horovod's, which
+    probes its peers); once per namer."""
+    with _HOOK_LOCK:
+        if namer not in _HOOK["namers"]:
+            _HOOK["namers"].append(namer)
+    _install()
+
+
+def _install() -> None:
+    with _HOOK_LOCK:
         if _HOOK["installed"]:
             return
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb):
-            lost = lost_worker_error(exc, _HOOK["config"]) if exc is not None else None
+            lost = None
+            if exc is not None:
+                lost = lost_worker_error(exc, _HOOK["config"])
+                for namer in _HOOK["namers"]:
+                    lost = lost or namer(exc)
             if lost is None:
                 return previous(exc_type, exc, tb)
             print(f"tfdist: error: {lost}", file=sys.stderr, flush=True)

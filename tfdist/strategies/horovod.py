@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
+from tfdist.comm import horovod_peers
 from tfdist.comm.horovod import (
     CPU_FUSION_THRESHOLD_MB,
     HorovodAllReduce,
@@ -116,7 +117,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         if (not explicit and "HOROVOD_FUSION_THRESHOLD" not in os.environ and not gloo
                 and not tf.config.list_physical_devices("GPU")):
             fusion_threshold_mb = CPU_FUSION_THRESHOLD_MB
-        group = HorovodGroup(init_horovod(fusion_threshold_mb, explicit=explicit, cycle_time_ms=cycle_time_ms))
+        hvd = init_horovod(fusion_threshold_mb, explicit=explicit, cycle_time_ms=cycle_time_ms)
+        group = HorovodGroup(hvd)
         self.rank, self.size = group.rank, group.size
         self.local_rank, self.local_size = group.local_rank, group.local_size
         if op == "adasum":
@@ -138,6 +140,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         # The flags ride along with the gradients only where their floats are summed exactly.
         self._attach_uneven_data(uneven_data, fused=op == "average" and compression is None)
         self._attach_gradient_path(bucket_cap_mb)
+        if self.size > 1:  # after the local devices are set up: exchanging the peers starts TensorFlow
+            horovod_peers.start(hvd)  # a lost rank is then named (rank, host, pid) when a collective fails
 
     def register_comm_hook(self, hook) -> None:
         """`DataParallel.register_comm_hook`; not with `compression` (the hook is the compression) nor with
