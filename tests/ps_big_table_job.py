@@ -9,8 +9,7 @@ The chief builds Embedding(ROWS, DIM) -> mean -> Dense(1) in the strategy's scop
 the K servers and initialised there, shard by shard), trains 2 epochs of 3 steps with `fit` on ids drawn
 from the first 1000 rows, and writes OUT_DIR/result.json: the shards' shapes and devices, the losses,
 and a few rows read through sharded lookups (used rows before/after, one row no batch touches).
-It never reads the whole table. Then a `tf.train.Checkpoint` of the model is written and read back (after one
-more step moved the table), with every process's memory peak during the save and during the restore.
+It never reads the whole table.
 """
 
 import os
@@ -54,33 +53,8 @@ probe = tf.constant([0, 1, USED - 1, rows - 1])  # three used rows and the last 
 before = lookup(table, probe).numpy()
 history = model.fit(dataset_fn, epochs=2, steps_per_epoch=3, verbose=2).history
 after = lookup(table, probe).numpy()
-
-# A tf.train.Checkpoint of the model, saved, the table moved on by one more step, then restored. Every process's
-# memory-group peak is read for each phase (the groups' peaks reset first; as root, in the capped test).
-groups = [f"/sys/fs/cgroup/memory/{os.environ['TFDIST_TEST_CGROUP']}-rank{r}"
-          for r in range(2 + len(json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"]))] \
-    if os.environ.get("TFDIST_TEST_CGROUP") else []
-
-
-def phase_peaks_mib(action) -> list[float]:
-    for group in groups:
-        with open(f"{group}/memory.max_usage_in_bytes", "w") as f:
-            f.write("0")  # cgroup v1: the peak starts again from the current usage
-    action()
-    return [int(open(f"{group}/memory.max_usage_in_bytes").read()) / 2**20 for group in groups]
-
-
-checkpoint, saved = tf.train.Checkpoint(model=model), {}
-save_peaks = phase_peaks_mib(lambda: saved.update(path=checkpoint.write(os.path.join(out_dir, "ckpt", "model"))))
-model.fit(dataset_fn, epochs=1, steps_per_epoch=1, verbose=0)
-moved = lookup(table, probe).numpy()
-restore_peaks = phase_peaks_mib(lambda: checkpoint.read(saved["path"]).expect_partial())
-restored = lookup(table, probe).numpy()
 with open(os.path.join(out_dir, "result.json"), "w") as f:
-    json.dump({"checkpoint": {"save_peaks_mib": save_peaks, "restore_peaks_mib": restore_peaks,
-                              "moved": bool(np.abs(moved - after).max() > 0),
-                              "restored_exactly": bool(np.array_equal(restored, after))},
-               "shards": [[s.shape.as_list(), s.device] for s in table.variables], "loss": history["loss"],
+    json.dump({"shards": [[s.shape.as_list(), s.device] for s in table.variables], "loss": history["loss"],
                "used_rows_changed": bool(np.abs(after[:3] - before[:3]).max() > 0),
                "unused_row_changed": bool(np.abs(after[3] - before[3]).max() > 0),
                "row_spread": float(np.abs(before).max())}, f)
