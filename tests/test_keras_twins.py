@@ -94,3 +94,11 @@ def test_a_model_and_optimizer_built_under_a_strategy_are_their_plain_keras_twin
         with strategy.no_sync():
             fresh.fit(X[:32], Y[:32], batch_size=16, epochs=1, verbose=0, shuffle=False)
         assert names(fresh.optimizer) == names(plain.optimizer)
+
+
+def test_accumulation_over_several_pipelines_is_a_config_error_naming_the_fix():
+    strategy = tfdist.LayerPlacementStrategy(devices=["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"], data_parallel=2)
+    with strategy.scope():
+        model = build(OPTIMIZERS["sgd-accumulate-ema"])
+    with pytest.raises(tfdist.ConfigError, match=r"gradient_accumulation_steps=2 needs one pipeline \(data_parallel=1"):
+        model.fit(X, Y, batch_size=16, epochs=1, verbose=0, shuffle=False)

@@ -152,7 +152,7 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
     def scope(self):
         """The strategy's scope; optimizers created in it are remembered, so that placing a model later
         also moves (and re-indexes) an optimizer a custom training loop built before its first step."""
-        with super().scope() as strategy, keras_optimizer.optimizer_hooks(_ignore_build, self._optimizers.add):
+        with super().scope() as strategy, keras_optimizer.optimizer_hooks(_check_build, self._optimizers.add):
             yield strategy
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -199,5 +199,13 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
         return replica_fn
 
 
-def _ignore_build(optimizer, variables) -> None:
-    """Placement needs no build hook (slots follow their variable through PlacementExtended)."""
+def _check_build(optimizer, variables) -> None:
+    """Placement needs no build hook (slots follow their variable through PlacementExtended); it only refuses
+    what several pipelines cannot run."""
+    strategy = tf.distribute.get_strategy()
+    if (isinstance(strategy, LayerPlacementStrategy) and optimizer.gradient_accumulation_steps
+            and strategy.num_replicas_in_sync > 1):
+        # Keras puts an accumulating update inside tf.cond; pipelines meeting in a merge_call cannot run it there.
+        raise ConfigError(f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} needs one pipeline "
+                          f"(data_parallel=1; this strategy runs {strategy.num_replicas_in_sync}). Use "
+                          "micro_batches=M to accumulate within a step, or one pipeline.")
