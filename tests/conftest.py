@@ -126,6 +126,7 @@ UNIT_MINUTES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into the "@unit" the scheduler reads
 def pytest_collection_modifyitems(config, items):
     have_horovod = _horovod_built()
     position = {unit: i for i, unit in enumerate(dict.fromkeys(_unit(item) for item in items))}
