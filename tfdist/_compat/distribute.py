@@ -20,11 +20,12 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 from tfdist._compat.ring import subdivide_ring
 
 __all__ = [
-    "COMM_KEY_BASE", "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PlacementExtended",
+    "COMM_KEY_BASE", "CollectiveExtended", "MirroredExtended", "MultiProcessExtended", "PipelineExtended",
+    "PlacementExtended",
     "ProcessCrossDeviceOps", "ProcessGroup", "collective_launchers", "collective_server", "devices_of",
     "first_global_replica_id", "init_strategy", "is_mirrored", "launcher_all_gather", "launcher_all_reduce_sum",
     "launcher_all_to_all", "launcher_device", "local_values",
-    "reduce_non_distributed_value", "regroup_per_replica", "strategy_task", "variable_strategy",
+    "reduce_non_distributed_value", "regroup_per_replica", "strategy_task", "uses_merge_call", "variable_strategy",
 ]
 
 # --- Strategy construction and collective keys ----------------------------------------------------
@@ -78,6 +79,12 @@ def collective_key_base(strategy: tf.distribute.Strategy) -> int:
 def regroup_per_replica(values: list):
     """Wraps one value per local replica into a PerReplica (TF's distribute_utils.regroup)."""
     return _distribute_utils.regroup(values, always_wrap=True)
+
+
+def uses_merge_call(strategy: tf.distribute.Strategy) -> bool:
+    """True when the strategy's replicas meet in a merge_call (several local replicas), which cannot sit inside
+    tf.cond (Keras' gradient accumulation puts its update there)."""
+    return bool(strategy.extended._use_merge_call())
 
 
 def is_mirrored(value) -> bool:
@@ -278,9 +285,13 @@ class PlacementExtended(MirroredExtended):
             self._slot_references[id(var)] = (var, reference)
         return var
 
+
+class PipelineExtended(PlacementExtended):
+    """PlacementExtended of LayerPlacementStrategy: with one pipeline (one replica) there is nothing for a
+    merge_call to gather, and without it an update can sit inside tf.cond, as Keras 3's
+    gradient_accumulation_steps needs. (Meshes keep merge_call: their rows' collectives are keyed by it.)"""
+
     def _use_merge_call(self) -> bool:
-        # One pipeline is one replica: there is nothing for a merge_call to gather, and without it an update
-        # can sit inside tf.cond, as Keras 3's gradient_accumulation_steps needs.
         return len(self._devices) > 1 and super()._use_merge_call()
 
 

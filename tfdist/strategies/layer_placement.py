@@ -91,7 +91,7 @@ class LayerPlacementStrategy(ReusedInputIterators, tf.distribute.MirroredStrateg
         # ReductionToOneDevice reduces each gradient on the first device its destination lives
         # on, i.e. per stage: stage k's gradients are summed on replica 0's stage-k device and
         # copied to the other replicas' stage-k devices (never through stage 0).
-        tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
+        tf_distribute.init_strategy(self, lambda: tf_distribute.PipelineExtended(
             self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice()))
 
     # --- public ---------------------------------------------------------------------------

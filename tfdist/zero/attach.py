@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import keras
 import tensorflow as tf
 
+from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.zero.config import ZeroConfig, check_unit_bytes
@@ -169,7 +170,7 @@ def _on_build(optimizer, variables) -> None:
             "model.compile) inside `with strategy.scope():`.")
     config = _strategies[target]
     if config is None or config.stage == 0:
-        if optimizer.gradient_accumulation_steps and len(target.extended.worker_devices) > 1:
+        if optimizer.gradient_accumulation_steps and tf_distribute.uses_merge_call(target):
             # Keras puts an accumulating update inside tf.cond; local replicas meet in a merge_call, which
             # cannot run there (stock MirroredStrategy fails the same way, deep inside TensorFlow).
             raise ConfigError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import keras
 
+from tfdist._compat import distribute as tf_distribute
 from tfdist.errors import ConfigError
 from tfdist.tensor_parallel.optimizer_state import logical_keys
 from tfdist.zero.attach import engine_of, register_engine
@@ -69,11 +70,11 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
                               f"{type(optimizer).__name__}): each process would take the norm of its own shards "
                               "only. Drop one of them, or use a mesh whose rows each stay inside one process.")
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if not strategy.zero_stage and inner.gradient_accumulation_steps and len(strategy.extended.worker_devices) > 1:
+    if not strategy.zero_stage and inner.gradient_accumulation_steps and tf_distribute.uses_merge_call(strategy):
         # Keras' accumulation puts the update inside a tf.cond; rows that meet in a merge_call cannot run it there.
         raise ConfigError(f"gradient_accumulation_steps={inner.gradient_accumulation_steps} at zero_stage=0 needs one "
-                          f"mesh row per process (this process runs {len(strategy.extended.worker_devices)} rows). "
-                          "Use zero_stage=1 or higher (its engine accumulates), or accumulate in a custom loop.")
+                          "mesh row per process (this process runs several, which meet in a merge_call). Use "
+                          "zero_stage=1 or higher (its engine accumulates), or accumulate in a custom loop.")
     if strategy.zero_stage and engine_of(optimizer) is None and not isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer):
         devices = [[c.device for c in strategy.experimental_local_results(tf_variable(v))] for v in variables]
