@@ -12,11 +12,15 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from tfdist.cli.names import DATASET_NAMES, STRATEGY_NAMES
 from tfdist.cli.quiet import kept_lines
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_A_MODEL, A_DIRECTORY = str(REPO / "README.md"), str(REPO / "docs")
 
 # Runs tfdist's main() with the arguments after `--`; prints {"code", "heavy", "level"} as the last stdout line.
 WRAPPER = textwrap.dedent("""
@@ -64,6 +68,14 @@ def test_the_cli_name_tables_equal_the_library_tables():
     (["plan", "--params", "1M", "--replicas", "0"], "tfdist plan: error: --replicas must be >= 1, got 0."),
     (["plan", "--params", "1M", "--replicas", "2", "--device-memory", "0"], "--device-memory must be > 0 GB"),
     (["plan", "--model", "no-such-model.keras", "--replicas", "2"], "--model: no file 'no-such-model.keras'"),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "2"], "is not a Keras model file (a .keras archive"),
+    (["plan", "--model", A_DIRECTORY, "--devices", "2"], "is a directory (a SavedModel?); give a .keras file"),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "0"], "argument --devices: must be at least 1, got '0'."),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "-4"], "argument --devices: must be at least 1, got '-4'."),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "2", "--device-memory", "-1"], "--device-memory must be > 0"),
+    (["plan", "--params", "1M", "--devices", "2"], "--devices needs --model (a .keras file)"),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "2", "--replicas", "2"], "leave out --replicas"),
+    (["plan", "--model", NOT_A_MODEL, "--devices", "2", "--batch-size", "0"], "argument --batch-size: must be"),
     (["launch", "-n", "2", "--backend", "nccl", "--", "true"], "argument --backend: invalid choice: 'nccl'"),
 ])
 def test_bad_arguments_exit_2_before_tensorflow_is_imported(args, message):

@@ -56,7 +56,11 @@ JOB = textwrap.dedent('''
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     ckpt = tfdist.training.ModelCheckpoint(os.path.join(out, f"ckpt-{mode}-rank{rank}.keras"), strategy=strategy)
-    history = model.fit(train, epochs=3, verbose=0, callbacks=[ckpt])
+    boards = [tfdist.training.TensorBoard(os.path.join(out, f"tb-{mode}"), strategy=strategy)]
+    if mode == "2x1":  # every worker its own directory; the profile from the chief only
+        boards.append(tfdist.training.TensorBoard(os.path.join(out, "tb-per-worker"), per_worker=True,
+                                                  strategy=strategy, profile_batch=(2, 3)))
+    history = model.fit(train, epochs=3, verbose=0, callbacks=[ckpt, *boards])
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     evaluation = model.evaluate(train, verbose=0)
     prediction = model.predict(sharded(tf.data.Dataset.from_tensor_slices(x).batch(16)), verbose=0)
@@ -156,3 +160,30 @@ def test_only_the_chief_writes_checkpoints(results):
     flat = np.concatenate([w.ravel() for w in restored.get_weights()])
     np.testing.assert_array_equal(flat, data["2x2-rank0"]["weights"])
     assert "[0] JOB DONE 2x2 0" in logs["2x2"] and "[1] JOB DONE 2x2 1" in logs["2x2"]
+
+
+def _epoch_losses(events_file) -> list[float]:
+    import tensorflow as tf
+    from tensorflow.core.util import event_pb2
+
+    losses = []
+    for record in tf.data.TFRecordDataset(str(events_file)):
+        event = event_pb2.Event.FromString(record.numpy())
+        losses += [float(tf.make_ndarray(v.tensor)) for v in event.summary.value if v.tag == "epoch_loss"]
+    return losses
+
+
+def test_tensorboard_the_chief_writes_the_job_and_per_worker_logs_profile_the_chief_only(results):
+    out, data, _ = results
+    for mode in ("single", "local2", "2x1", "2x2"):
+        written = sorted((out / f"tb-{mode}").rglob("events.out.tfevents.*"))
+        train = [f for f in written if f.parent.name == "train"]
+        assert len(train) == 1, f"{mode}: {written}"  # one writer: the chief
+        np.testing.assert_allclose(_epoch_losses(train[0]), data[f"{mode}-rank0"]["loss"], rtol=1e-6)
+    per_worker = out / "tb-per-worker"
+    assert sorted(p.name for p in per_worker.iterdir()) == ["worker_0", "worker_1"]
+    for rank in (0, 1):
+        train = list((per_worker / f"worker_{rank}" / "train").glob("events.out.tfevents.*"))
+        assert len(train) == 1 and _epoch_losses(train[0]) == pytest.approx(data["2x1-rank0"]["loss"], rel=1e-6)
+    assert list((per_worker / "worker_0").rglob("*.xplane.pb")), "the chief's profile is missing"
+    assert not list((per_worker / "worker_1").rglob("*.xplane.pb"))

@@ -7,10 +7,11 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.training import BackupAndRestore, ModelCheckpoint
+from tfdist.training import BackupAndRestore, ModelCheckpoint, TensorBoard
 
 NOT_CHIEF = json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}})
 
@@ -31,13 +32,14 @@ def test_the_callbacks_live_in_training_and_the_cluster_keeps_its_own_names():
     assert not hasattr(tfdist.cluster, "EpochShuffle")  # the one per-epoch order is tfdist.data.EpochOrder
 
 
-def test_model_checkpoint_forwards_every_keras_hook():
+def test_model_checkpoint_and_tensorboard_forward_every_keras_hook():
     hooks = [f"on_{stage}_{event}" for stage in ("train", "test", "predict") for event in ("begin", "end")]
     hooks += [f"on_{stage}_batch_{event}" for stage in ("train", "test", "predict") for event in ("begin", "end")]
     hooks += ["on_epoch_begin", "on_epoch_end"]
     assert {name for name in vars(keras.callbacks.Callback) if name.startswith("on_")} - {
         "on_batch_begin", "on_batch_end"} == set(hooks)  # Keras' hooks, less the aliases of the train batch hooks
-    assert [name for name in hooks if name not in vars(ModelCheckpoint)] == []
+    for callback in (ModelCheckpoint, TensorBoard):
+        assert [name for name in hooks if getattr(callback, name) is getattr(keras.callbacks.Callback, name)] == []
 
 
 def test_epoch_order_depends_only_on_seed_and_epoch():
@@ -107,3 +109,18 @@ def test_epoch_order_apply_matches_the_array_order_and_blocks_stay_complete():
     seen = [int(v) for v in blocked]
     assert [sorted(seen[i:i + 16]) for i in (0, 16, 32)] == [list(range(i, min(i + 16, 40))) for i in (0, 16, 32)]
     assert seen != list(range(40))
+
+
+def test_tensorboard_writes_on_the_chief_or_per_worker(tmp_path, monkeypatch):
+    x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")
+    monkeypatch.setenv("TF_CONFIG", NOT_CHIEF)
+    _model().fit(x, y, epochs=1, verbose=0, callbacks=[TensorBoard(str(tmp_path / "logs"), profile_batch=1)])
+    assert not (tmp_path / "logs").exists()  # rank 1: the chief's logs are the job's
+    _model().fit(x, y, epochs=1, verbose=0, callbacks=[TensorBoard(str(tmp_path / "logs"), per_worker=True,
+                                                                   profile_batch=1)])
+    assert sorted(p.name for p in (tmp_path / "logs" / "worker_1").iterdir()) == ["train"]  # no profile here
+    monkeypatch.delenv("TF_CONFIG")
+    _model().fit(x, y, epochs=1, verbose=0, callbacks=[TensorBoard(str(tmp_path / "chief"))])
+    assert list((tmp_path / "chief" / "train").glob("events.out.tfevents.*"))
+    with pytest.raises(tfdist.ConfigError, match="per_worker must be True or False"):
+        TensorBoard(str(tmp_path), per_worker="yes")

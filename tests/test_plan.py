@@ -58,3 +58,61 @@ def test_plan_nothing_fits_and_bad_input(capsys):
     assert main(["plan", "--params", "1M", "--replicas", "2", "--optimizer", "nope"]) == 2
     err = capsys.readouterr().err
     assert "--params" in err and "--replicas" in err and "--optimizer" in err
+
+
+def test_plan_devices_compares_every_layout_and_reads_the_exchanges(tmp_path, capsys):
+    """`--devices N`: data parallel and ZeRO by the formulas, tensor parallelism measured on N logical CPUs (the
+    exchanged bytes read from a traced step: one all-reduce of the b×h activation per pair and direction)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, name="down")(keras.layers.Dense(32, activation="relu", name="up")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    model.compile(optimizer="adam", loss="mse")
+    path, out = tmp_path / "mlp.keras", tmp_path / "layouts.json"
+    model.save(path)
+    psi, n, batch = model.count_params(), 2, 8
+    assert main(["plan", "--model", str(path), "--devices", str(n), "--batch-size", str(batch),
+                 "--device-memory", "1e-5", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    rows = {c["layout"]: c for c in plan["candidates"]}
+    assert plan["num_params"] == psi and plan["optimizer"] == "Adam"
+    data = rows["data parallel"]
+    assert (data["params"], data["gradients"], data["optimizer_state"]) == (4 * psi, 4 * psi, 8 * psi)
+    assert data["sent_per_step"] == pytest.approx(2 * (n - 1) / n * 4 * psi)
+    fsdp = rows["ZeRO-3 (FSDP)"]
+    assert fsdp["params"] == 4 * psi / n and fsdp["sent_per_step"] == pytest.approx(1.5 * data["sent_per_step"])
+    tp = rows[f"tensor parallel, {n} ways"]
+    assert tp["params"] < 4 * psi  # the up/down pair is split; the head stays whole
+    # one pair: its output (batch × 16 float32) all-reduced forward; its input is the model's, whose gradient
+    # nothing reads, so the backward all-reduce is pruned from the traced step
+    assert tp["sent_per_step"] == pytest.approx(2 * (n - 1) / n * batch * 16 * 4)
+    assert rows[f"pipeline, {n} stages"]["params"] < 4 * psi
+    assert plan["first_fitting"] == next(c["layout"] for c in plan["candidates"] if c["fits"])
+    printed = capsys.readouterr().out
+    assert "tensor parallel, 2 ways" in printed and "first layout that fits" in printed
+
+
+def test_plan_model_with_a_custom_layer_names_the_option(tmp_path, capsys):
+    module = tmp_path / "my_layers.py"
+    module.write_text(
+        "import keras\n\n"
+        "@keras.saving.register_keras_serializable(package='plan_test')\n"
+        "class Scale(keras.layers.Layer):\n"
+        "    def build(self, shape):\n"
+        "        self.w = self.add_weight(shape=(shape[-1],), initializer='ones')\n"
+        "    def call(self, x):\n"
+        "        return x * self.w\n")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("my_layers_for_saving", module)
+    layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layers)
+    model = keras.Sequential([keras.Input((6,)), layers.Scale(), keras.layers.Dense(3)])
+    path = tmp_path / "custom.keras"
+    model.save(path)
+    keras.saving.get_custom_objects().pop("plan_test>Scale")  # a fresh process would not know the class
+    assert main(["plan", "--model", str(path), "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--custom-objects" in err and "register_keras_serializable" in err and "Traceback" not in err
+    assert main(["plan", "--model", str(path), "--replicas", "2", "--custom-objects", str(module)]) == 0
+    assert f"{model.count_params():,} trainable parameters" in capsys.readouterr().out

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfdist.errors import ConfigError, InitOrderError
+from tfdist.errors import ConfigError, InitOrderError, troubleshooting
 
 __all__ = ["virtual_cpus", "local_devices", "resolve_devices", "process_devices", "kind_and_indices"]
 
@@ -39,7 +39,7 @@ def virtual_cpus(n: int) -> list[str]:
             f"virtual_cpus({n}): TensorFlow is already initialised with {have} logical CPU(s), and "
             "its device list cannot change afterwards. Call tfdist.devices.virtual_cpus(n) at the "
             "top of the program (in a notebook: the first cell after a kernel restart), before any "
-            "tensor, model or strategy is created."
+            "tensor, model or strategy is created." + troubleshooting("initordererror")
         ) from err
     return _names("CPU", range(n))
 

@@ -1,4 +1,10 @@
-"""Exceptions tfdist raises for bad input: each names the parameter, what came, and the fix."""
+"""Exceptions tfdist raises for bad input: each names the parameter, what came, and the fix.
+
+Errors about a situation at run time (a lost worker, a peer that never starts, a port in use, TensorFlow started too
+early) end with `troubleshooting(anchor)`, which points at the entry of docs/troubleshooting.md that explains them.
+"""
+
+TROUBLESHOOTING_PAGE = "docs/troubleshooting.md"
 
 
 class TfdistError(Exception):
@@ -11,6 +17,17 @@ class ConfigError(TfdistError, ValueError):
 
 class InitOrderError(TfdistError, RuntimeError):
     """Something must happen before TensorFlow initialises its devices, and it did not."""
+
+
+def troubleshooting(anchor: str) -> str:
+    """The end of a runtime error's message: where docs/troubleshooting.md explains it (`anchor` is the entry's
+    heading as GitHub makes it an anchor).
+
+    Example:
+        >>> troubleshooting("a-worker-was-lost")
+        ' See docs/troubleshooting.md#a-worker-was-lost.'
+    """
+    return f" See {TROUBLESHOOTING_PAGE}#{anchor}."
 
 
 def check_seconds(value, name: str) -> float:

@@ -26,6 +26,8 @@ import sys
 import tarfile
 import tempfile
 
+from tfdist.errors import ConfigError, TfdistError, troubleshooting
+
 HOROVOD_VERSION = "0.28.1"
 CACHE_DIR = os.path.join(os.path.expanduser(os.environ.get("TFDIST_CACHE", "~/.cache/tfdist")), "wheels")
 
@@ -60,6 +62,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+class BuildError(TfdistError, RuntimeError):
+    """Building or checking Horovod failed; the message says which step (the output above it shows why)."""
+
+
 def _tf_version() -> str:
     # Ask pip's metadata rather than importing TensorFlow (seconds, and prints C++ start-up lines).
     from importlib.metadata import PackageNotFoundError, version
@@ -69,8 +75,6 @@ def _tf_version() -> str:
             return version(dist)
         except PackageNotFoundError:
             continue
-    from tfdist.errors import ConfigError
-
     raise ConfigError("TensorFlow is not installed in this Python; Horovod compiles against it. "
                       "Install tfdist first: pip install -e '.[cpu]' (or make setup).")
 
@@ -103,15 +107,14 @@ def _pip(*args: str, env: dict | None = None) -> None:
 
 
 def _check_tools(gpu: bool) -> None:
-    from tfdist.errors import ConfigError
-
     need = {"cmake": "cmake", "g++": "g++", "make": "make", "mpicxx": "libopenmpi-dev", "mpirun": "openmpi-bin"}
     if gpu:
         need["nvcc"] = "the CUDA toolkit"
     missing = {tool: pkg for tool, pkg in need.items() if shutil.which(tool) is None}
     if missing:
         raise ConfigError(f"building Horovod needs {sorted(missing)} on PATH; on Debian/Ubuntu: "
-                          f"sudo apt-get install {' '.join(sorted(set(missing.values())))} (or: make system-deps).")
+                          f"sudo apt-get install {' '.join(sorted(set(missing.values())))} (or: make system-deps)."
+                          + troubleshooting("horovod-is-missing-or-does-not-build"))
 
 
 def patch_source(src_dir: str) -> None:
@@ -121,7 +124,8 @@ def patch_source(src_dir: str) -> None:
         text = f.read()
     patched, count = _XLA_SOURCE_LINE.subn("", text)
     if count == 0 and "xla_mpi_ops" in text:
-        raise RuntimeError(f"{path}: xla_mpi_ops.cc is referenced in a form this fix does not know")
+        raise BuildError(f"{path}: xla_mpi_ops.cc is referenced in a form this fix does not know."
+                         + troubleshooting("horovod-is-missing-or-does-not-build"))
     with open(path, "w") as f:
         f.write(patched)
     print(f"patched {path}: removed {count} line(s) naming xla_mpi_ops.cc", flush=True)
@@ -144,7 +148,12 @@ def build_wheel(cache_dir: str, gpu: bool) -> str:
         env = {**os.environ, **BUILD_ENV, **(GPU_ENV if gpu else {})}
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
         # No build isolation: Horovod's CMake must see (and link against) the TensorFlow installed here.
-        _pip("wheel", "--no-build-isolation", "--no-deps", "-w", os.path.join(tmp, "dist"), src, env=env)
+        try:
+            _pip("wheel", "--no-build-isolation", "--no-deps", "-w", os.path.join(tmp, "dist"), src, env=env)
+        except subprocess.CalledProcessError as err:
+            raise BuildError(f"building the Horovod {HOROVOD_VERSION} wheel failed (pip exited with code "
+                             f"{err.returncode}); the first compiler error in pip's output above says why."
+                             + troubleshooting("horovod-is-missing-or-does-not-build")) from None
         (wheel,) = glob.glob(os.path.join(tmp, "dist", "horovod-*.whl"))
         os.makedirs(target, exist_ok=True)
         dest = os.path.join(target, os.path.basename(wheel))
@@ -160,7 +169,8 @@ def check_build() -> str:
     out = subprocess.run([runner, "--check-build"], capture_output=True, text=True, check=True).stdout
     for name in ("TensorFlow", "MPI", "Gloo"):
         if not re.search(rf"\[X\] {name}\b", out):
-            raise RuntimeError(f"horovodrun --check-build does not list {name}:\n{out}")
+            raise BuildError(f"horovodrun --check-build does not list {name}."
+                             + troubleshooting("horovod-is-missing-or-does-not-build") + f" Its output:\n{out}")
     return out
 
 

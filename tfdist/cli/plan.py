@@ -7,6 +7,8 @@ import argparse
 import json
 import re
 
+from tfdist.cli.plan_model_file import check_model_file, load_model, saved_optimizer_config, state_bytes_per_param
+
 SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -22,6 +24,17 @@ def count_argument(text: str) -> int:
     return round(value)
 
 
+def positive_int(text: str) -> int:
+    """The type of --devices and --batch-size: a whole number >= 1, or argparse's error (exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}.") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}.")
+    return value
+
+
 def parse_count(text: str) -> int:
     """count_argument, with a ConfigError naming --params for a bad count."""
     from tfdist.errors import ConfigError
@@ -33,16 +46,27 @@ def parse_count(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="memory per replica for ZeRO stages and the smallest stage that fits",
+    p = sub.add_parser("plan", help="memory per device for each way to spread a model, and which fits",
                        description="Per-replica bytes of parameters, gradients and optimizer state for ZeRO "
                                    "stages 0, 1, 2 and 3 (fp32 Keras variables), and the smallest stage that fits "
-                                   "--device-memory. With --model and --tensor-parallel T: the bytes each of T "
-                                   "model-axis devices holds when the model's variables are split.")
+                                   "--device-memory. With --model and --devices N: every layout over N devices "
+                                   "(data parallel, ZeRO-1/2/3, tensor parallel, pipeline, parameter servers) with "
+                                   "the bytes per device and the bytes each device sends per step. With --model "
+                                   "and --tensor-parallel T: the bytes each of T model-axis devices holds when the "
+                                   "model's variables are split.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=count_argument, help="number of trainable parameters, e.g. 25M, 1.3B")
     src.add_argument("--model", help="a .keras file: its trainable parameters (and optimizer, if compiled)")
+    p.add_argument("--custom-objects", default=None, metavar="FILE_OR_MODULE",
+                   help="with --model: a .py file or module to import first, whose classes are registered with "
+                        "@keras.saving.register_keras_serializable()")
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                   help="with --model: compare every layout over N devices (bytes per device, bytes sent per step)")
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
+                   help="with --devices: the global batch of a step (activations and their traffic); default 32")
     p.add_argument("--replicas", type=int, default=None,
-                   help="data-parallel replicas N (the ZeRO table; needed unless --tensor-parallel is given)")
+                   help="data-parallel replicas N (the ZeRO table; needed unless --devices or --tensor-parallel "
+                        "is given)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="T",
                    help="with --model: split its variables over T model-axis devices (tfdist.LayoutMap.auto, or "
                         "--layout) and show the bytes per device next to replicated")
@@ -56,41 +80,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _state_bytes_per_param(optimizer) -> tuple[str, float]:
-    """Measured: build the optimizer on a small variable and count its per-element state."""
-    import keras
-
-    probe = keras.Variable(keras.ops.zeros((1000,)), name="probe")
-    optimizer.build([probe])
-    total = sum(1000 * _dtype_bytes(v.dtype) for v in optimizer.variables if tuple(v.shape) == (1000,))
-    return type(optimizer).__name__, total / 1000
-
-
-def _saved_optimizer_config(path: str) -> dict | None:
-    """The optimizer a .keras file was compiled with, read from its config.json (no weights loaded)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            config = json.loads(archive.read("config.json"))
-    except (KeyError, zipfile.BadZipFile, json.JSONDecodeError):
-        return None
-    return (config.get("compile_config") or {}).get("optimizer")
-
-
-def _dtype_bytes(dtype) -> int:
-    import numpy as np
-
-    return np.dtype(str(dtype)).itemsize
-
-
 def run(args: argparse.Namespace) -> int:
     from tfdist.errors import ConfigError
 
     # Every check that needs no TensorFlow comes first (importing it takes seconds).
-    if args.replicas is None and args.tensor_parallel is None:
+    if args.devices is not None:
+        if not args.model:
+            raise ConfigError("--devices needs --model (a .keras file): the layouts depend on the layers.")
+        if args.tensor_parallel is not None or args.replicas is not None:
+            raise ConfigError("--devices compares every layout over N devices; leave out --replicas and "
+                              "--tensor-parallel (or drop --devices for their single tables).")
+    elif args.replicas is None and args.tensor_parallel is None:
         raise ConfigError("--replicas: give the number of data-parallel replicas N (e.g. --replicas 4), or "
-                          "--tensor-parallel T with --model.")
+                          "--devices N or --tensor-parallel T with --model.")
     if args.replicas is not None and args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}.")
     if args.tensor_parallel is not None:
@@ -102,12 +104,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.layout:
         raise ConfigError("--layout is used with --tensor-parallel T; add --tensor-parallel.")
     if args.device_memory is not None and args.device_memory <= 0:
-        raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory}.")
+        raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory:g}.")
+    if args.custom_objects and not args.model:
+        raise ConfigError("--custom-objects is used with --model.")
     if args.model:
-        import os
+        check_model_file(args.model)
+        if args.devices is not None:
+            from tfdist.cli.plan_layouts import run_layouts
 
-        if not os.path.exists(args.model):
-            raise ConfigError(f"--model: no file {args.model!r}.")
+            return run_layouts(args, saved_optimizer_config(args.model))
     import keras
 
     from tfdist.zero.memory import zero_formula
@@ -117,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
         if args.tensor_parallel is not None:
             from tfdist.cli.plan_tensor_parallel import run_tensor_parallel
 
-            return run_tensor_parallel(args, _saved_optimizer_config(args.model))
-        model = keras.models.load_model(args.model, compile=False)
+            return run_tensor_parallel(args, saved_optimizer_config(args.model))
+        model = load_model(args.model, args.custom_objects)
         num_params = int(sum(int(v.numpy().size) for v in model.trainable_variables))
-        optimizer_config = _saved_optimizer_config(args.model)
+        optimizer_config = saved_optimizer_config(args.model)
         if optimizer_config and not args.optimizer:
             optimizer = keras.optimizers.deserialize(optimizer_config)
     else:
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ConfigError(f"--optimizer: Keras has no optimizer {args.optimizer!r}; try adam, sgd, "
                               "rmsprop, adagrad, adamw.") from None
-    opt_name, state_bytes = _state_bytes_per_param(optimizer)
+    opt_name, state_bytes = state_bytes_per_param(optimizer)
     stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2, 3)}
     limit = args.device_memory * 1e9 if args.device_memory else None
     fits = {s: (limit is None or f["total"] <= limit) for s, f in stages.items()}

@@ -53,6 +53,7 @@ def run_tensor_parallel(args: argparse.Namespace, saved_optimizer: dict | None) 
     import keras
 
     import tfdist
+    from tfdist.cli.plan_model_file import load_model
     from tfdist.errors import ConfigError
 
     parts = args.tensor_parallel
@@ -62,7 +63,7 @@ def run_tensor_parallel(args: argparse.Namespace, saved_optimizer: dict | None) 
     layout_map = tfdist.LayoutMap(mesh)
     strategy = tfdist.ModelParallelStrategy(layout_map, batch_dim_name="batch")
     with strategy.scope():
-        model = keras.models.load_model(args.model, compile=False)
+        model = load_model(args.model, args.custom_objects)
         for key, axes in _layout_map(args.layout, mesh, model).items():
             layout_map[key] = axes
         config = None if args.optimizer else saved_optimizer

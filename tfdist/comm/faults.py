@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 
 from tfdist.comm.tf_config import ClusterConfig
-from tfdist.errors import TfdistError
+from tfdist.errors import TfdistError, troubleshooting
 
 __all__ = ["WorkerLostError", "add_lost_peer_namer", "install_excepthook", "lost_worker_error", "startup_watchdog"]
 
@@ -48,7 +48,8 @@ def lost_worker_error(err: BaseException, config: ClusterConfig | None) -> Worke
     where = f"lost {lost}" if lost else "lost contact with another worker"
     return WorkerLostError(
         f"worker {config.task_name} {where} ({cause}; {type(err).__name__}). The job cannot continue: restart "
-        "all workers (with tfdist.training.BackupAndRestore, training resumes from the last finished epoch).")
+        "all workers (with tfdist.training.BackupAndRestore, training resumes from the last finished epoch)."
+        + troubleshooting("a-worker-was-lost"))
 
 
 def _lost_task(text: str, config: ClusterConfig) -> str | None:

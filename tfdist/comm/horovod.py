@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 
 __all__ = ["HorovodAllReduce", "horovod", "init_horovod", "INSTALL_HINT", "COMPRESSIONS", "OPS"]
 
@@ -17,6 +17,7 @@ INSTALL_HINT = (
     "Horovod is not installed in this Python. Build it against the installed TensorFlow with "
     "`tfdist build-horovod` (GPU clusters: `tfdist build-horovod --gpu`), or from a tfdist checkout: "
     "`make horovod`. It needs cmake, g++ and OpenMPI (Debian: apt-get install cmake g++ openmpi-bin libopenmpi-dev)."
+    + troubleshooting("horovod-is-missing-or-does-not-build")
 )
 COMPRESSIONS = {None: None, "none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
 OPS = ("average", "sum", "adasum")

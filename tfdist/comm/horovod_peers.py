@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from tfdist.comm.faults import WorkerLostError, add_lost_peer_namer
+from tfdist.errors import troubleshooting
 
 __all__ = ["Peer", "lost_rank_error", "probe", "start"]
 
@@ -110,4 +111,4 @@ def lost_rank_error(err: BaseException) -> WorkerLostError | None:
     cause = next(phrase for phrase in _PEER_GONE if phrase in text)
     return WorkerLostError(f"rank {_STATE['rank']} lost " + "; ".join(lost) + f" ({cause}). The job cannot continue: "
                            "restart all ranks (with tfdist.training.BackupAndRestore, training resumes from the last "
-                           "finished epoch).")
+                           "finished epoch)." + troubleshooting("a-worker-was-lost"))

@@ -7,9 +7,12 @@ import socket
 import time
 
 from tfdist.comm.tf_config import ClusterConfig, parse_tf_config, tf_config_from_env
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 
 __all__ = ["cluster_config_of", "port_open", "silent_after", "startup_error", "wait_for_peers"]
+
+# What TF says when this task's gRPC server cannot bind its port.
+_PORT_TAKEN = ("Could not start gRPC server", "ddress already in use")
 
 
 def cluster_config_of(resolver) -> ClusterConfig | None:
@@ -41,11 +44,17 @@ def startup_error(config: ClusterConfig, timeout_s: float, err: Exception | None
         missing = [addr for _, _, addr in config.peers() if not port_open(addr)]
     names = {addr: f"/job:{job}/replica:0/task:{i} at {addr}" for job, i, addr in config.peers()}
     who = f"; not answering: {', '.join(names[a] for a in missing)}" if missing else ""
+    said = _first_line(err) if err else ""
+    # TF binds every interface at the task's port: failing to start its server means that port is taken.
+    port_taken = any(phrase in said for phrase in _PORT_TAKEN)
     return ConfigError(
         f"worker {config.task_name} ({config.address()}) could not form the cluster of "
         f"{config.num_workers} workers within timeout_s={timeout_s:g} s{who}. Start every worker "
         f"listed in TF_CONFIG (e.g. with `tfdist launch -n {config.num_workers} -- ...`), check the "
-        f"addresses, or raise timeout_s." + (f" TensorFlow said: {_first_line(err)}" if err else ""))
+        f"addresses, or raise timeout_s."
+        + (f" This worker's own port ({config.address()}) is probably in use by another process." if port_taken else "")
+        + troubleshooting("port-already-in-use" if port_taken else "a-peer-never-starts")
+        + (f" TensorFlow said: {said}" if err else ""))
 
 
 def _first_line(err: Exception) -> str:

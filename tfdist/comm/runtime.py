@@ -30,7 +30,7 @@ from tfdist._compat import tf_runtime
 from tfdist.comm.faults import install_excepthook, startup_watchdog
 from tfdist.comm.peers import startup_error, wait_for_peers
 from tfdist.comm.tf_config import MULTI_WORKER_JOBS, ClusterConfig
-from tfdist.errors import InitOrderError
+from tfdist.errors import InitOrderError, troubleshooting
 
 __all__ = ["DEFAULT_HEARTBEAT_S", "check_tf_not_started", "join_tf_job", "start_server"]
 
@@ -44,7 +44,8 @@ def check_tf_not_started(who: str, fix: str = "Call it first thing in the script
     if tf_runtime.context_initialized():
         raise InitOrderError(
             f"{who} before TensorFlow initialises (before any tensor, model, dataset or "
-            f"tf.config.list_logical_devices() call): collective ops can only be configured at program start. {fix}")
+            f"tf.config.list_logical_devices() call): collective ops can only be configured at program start. {fix}"
+            + troubleshooting("initordererror"))
 
 
 def join_tf_job(config: ClusterConfig | None, start: Callable[[], T], *, timeout_s: float, who: str,

@@ -9,7 +9,7 @@ from typing import TypeVar
 import tensorflow as tf
 
 from tfdist.comm.process_group import Backend, CollectiveError, Group
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 
 __all__ = ["STATE", "backend_for", "context", "guard"]
 
@@ -61,4 +61,5 @@ def guard(what: str, ranks: tuple[int, ...], run: Callable[[], T]) -> T:
             f"tfdist.comm.{what} failed on rank {backend.rank} (ranks {list(ranks)}, timeout_s="
             f"{backend.timeout_s:g}): {type(err).__name__}: {first}. Every process of the group must call the same "
             "collectives in the same order with tensors of the same dtype (and shape, where the operation needs "
-            "it); a process that stopped or skipped a call makes the others fail after timeout_s.") from err
+            "it); a process that stopped or skipped a call makes the others fail after timeout_s."
+            + troubleshooting("a-collective-times-out")) from err

@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfdist._compat import keras_model
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 from tfdist.parameter_server import sharded_embedding
 from tfdist.parameter_server._tf_sharded import atomic_updates, sharded_gradients
 from tfdist.parameter_server.per_worker_data import PerWorkerDataset
@@ -115,6 +115,7 @@ class _clear_errors:
                 "a parameter server stopped answering, and the variables it held are lost: training stopped. "
                 "Restart the job; with tfdist.training.BackupAndRestore (or the --backup-dir of tfdist train) "
                 f"it resumes from the last completed epoch. ({type(err).__name__}: {str(err).splitlines()[0]})"
+                + troubleshooting("a-parameter-server-was-lost")
             ) from None  # TF's error is named in the message; its deep traceback would only hide it
         return False
 

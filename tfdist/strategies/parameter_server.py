@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_model
 from tfdist.comm.peers import silent_after
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 from tfdist.parameter_server import _tf_sharded as ps_compat
 from tfdist.parameter_server import coordinated
 
@@ -132,7 +132,7 @@ def _wait_for_tasks(cluster: dict[str, list[str]], timeout_s: float) -> None:
         names = ", ".join(f"{job} {i} at {addr}" for job, i, addr in pending)
         raise ConfigError(f"ParameterServerStrategy: not answering after connect_timeout_s={timeout_s:g} s: {names}. "
                           "Start every task listed in TF_CONFIG (tfdist launch -n N --ps K does), check the "
-                          "addresses, or raise connect_timeout_s.")
+                          "addresses, or raise connect_timeout_s." + troubleshooting("a-peer-never-starts"))
 
 
 def _partitioner(value, min_shard_bytes: int, num_ps: int):

@@ -1,5 +1,5 @@
-"""Keras callbacks and saving for training across processes: chief-aware backups, checkpoints and saves,
-preemption, throughput.
+"""Keras callbacks and saving for training across processes: chief-aware backups, checkpoints, TensorBoard logs
+and saves, preemption, throughput.
 
 The layer between the strategies and what they build on: it uses `tfdist.cluster` (who is chief, the
 SLURM requeue) and `tfdist.zero` (gathering ZeRO state before a save), never `tfdist.strategies`.
@@ -22,6 +22,7 @@ _LAZY = {
     "Preemption": "tfdist.training.preemption",
     "collective_agreement": "tfdist.training.preemption",
     "Throughput": "tfdist.training.throughput",
+    "TensorBoard": "tfdist.training.tensorboard",
 }
 
 __all__ = list(_LAZY)
