@@ -21,17 +21,21 @@ APT_PACKAGES ?=
 # SLURM: controller, node daemon, client commands and munge for the tests on a real SLURM.
 APT_PACKAGES += slurm-wlm munge
 
+# The API reference's render check opens a page in headless Chromium.
+APT_PACKAGES += chromium
+
 # Horovod (built from source by `make horovod`): OpenMPI, and the compilers/headers its build needs.
 APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
 HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero bench-zero-horovod
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero bench-zero-horovod api
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
 	@echo "make test    set up .venv and run the whole suite (tests + notebooks)"
 	@echo "make quick   the in-process tests only (no Horovod build, no root)"
 	@echo "make bench   the benchmarks (JSON and PNG under $(OUT)/)"
+	@echo "make api     the API reference from the docstrings, in $(OUT)/api"
 
 # What every target needs: the venv with tfdist, TensorFlow and the test tools. `make test` adds the
 # Debian packages and the Horovod build; the demo needs neither.
@@ -86,6 +90,10 @@ bench: setup
 # The SLURM tests alone: a real slurmctld + two slurmd in network namespaces; root only.
 test-slurm: setup system-deps horovod
 	$(BIN)/pytest tests/test_slurm_jobs.py tests/test_slurm_cluster.py tests/test_slurm_ps.py tests/test_preemption.py $(PYTEST_ARGS)
+
+# The API reference from the docstrings (pdoc), links checked: open $(OUT)/api/index.html
+api: setup
+	$(BIN)/python docs/build_api.py $(OUT)/api
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info

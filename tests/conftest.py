@@ -101,8 +101,15 @@ SHARED_UNITS = {
 _UNIT_OF = {name: unit for unit, names in SHARED_UNITS.items() for name in names}
 
 
+# Files whose tests share no module fixture: each test is its own unit, so the two workers split them (the doc
+# blocks: one process or launch per page or script).
+SPLIT_FILES = ("test_doc_blocks.py",)
+
+
 def _unit(item) -> str:
     name = item.path.name
+    if name in SPLIT_FILES:
+        return item.nodeid
     return _UNIT_OF.get(name, name)
 
 

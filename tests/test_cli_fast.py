@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tfdist.cli.names import DATASET_NAMES, STRATEGY_NAMES
-from tfdist.cli.quiet import kept_lines
+from tfdist.tf_logs import kept_lines
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_A_MODEL, A_DIRECTORY = str(REPO / "README.md"), str(REPO / "docs")

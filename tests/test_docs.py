@@ -131,3 +131,34 @@ def test_notebooks_are_stored_executed_with_their_plots(notebook):
     assert counts == sorted(counts), f"{notebook.name}: cells stored out of order: {counts}"
     images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{notebook.name}: no plot stored"
+
+
+# Names a notebook must not teach: internals (a private module or name) and names that moved.
+NOTEBOOK_BANNED = [
+    (re.compile(r"\bfrom tfdist(\.\w+)*\s+import\s+.*\b_\w+"), "a private name"),
+    (re.compile(r"\btfdist(\.\w+)*\._\w+"), "a private module"),
+    (re.compile(r"\btfdist\.bench\b|\bbenchmarks\.\w+|\bfrom benchmarks\b"), "the benchmarks' internals"),
+    (re.compile(r"\btfdist\.cluster\.launcher\b|\btfdist\.cluster\.(BackupAndRestore|ModelCheckpoint|Preemption)\b"),
+     "a legacy name (tfdist.training has the callbacks; `tfdist launch` starts processes)"),
+]
+
+
+@pytest.mark.parametrize("notebook", sorted((REPO / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_store_no_log_noise_and_use_public_names(notebook):
+    import json
+
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    problems = []
+    for number, cell in enumerate(cells):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code":
+            for pattern, what in NOTEBOOK_BANNED:
+                for match in pattern.finditer(source):
+                    problems.append(f"cell {number}: {match.group(0)!r} is {what}")
+        for output in cell.get("outputs", []):
+            if output.get("name") == "stderr":
+                problems.append(f"cell {number}: stored stderr: {''.join(output.get('text', ''))[:120]!r}")
+            text = "".join(output.get("text", ""))
+            if re.search(r"^[IWE]\d{4} \d\d:\d\d:\d\d|InitializeLog|Warning:", text, re.M):
+                problems.append(f"cell {number}: log line in an output: {text[:120]!r}")
+    assert not problems, f"{notebook.name}:\n" + "\n".join(problems)

@@ -19,7 +19,7 @@ ALLOWED_PRIVATE = {("os", "_exit"), ("argparse", "_SubParsersAction")}
 # package -> the tfdist packages it may import (besides itself, tfdist.errors, tfdist.lazy and tfdist._compat).
 # Bottom: errors, _compat, devices, comm (the communication base) and cluster (where processes come from).
 # Capabilities: one package each, over the bottom. Above them: training, then strategies; data, models, cli on top.
-BOTTOM = {"tfdist.errors", "tfdist._compat", "tfdist.lazy"}
+BOTTOM = {"tfdist.errors", "tfdist._compat", "tfdist.lazy", "tfdist.tf_logs"}
 BASE = {"tfdist.devices", "tfdist.comm"}
 LAYERS = {
     "tfdist.devices": set(),

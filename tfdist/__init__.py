@@ -1,6 +1,6 @@
 """tfdist: custom tf.distribute strategies for Keras 3 — Horovod, ZeRO, layer placement, multi-worker fit.
 
-Every strategy works through the ordinary Keras path::
+Every strategy works through the ordinary Keras path:
 
     import tfdist
     tfdist.devices.virtual_cpus(4)                 # a machine without GPUs: 4 logical CPUs
@@ -12,13 +12,17 @@ Every strategy works through the ordinary Keras path::
     model.fit(data.train, validation_data=data.test, epochs=3)
 
 Names are imported on first use, so `import tfdist` (and the `tfdist` command's --help) does not
-start TensorFlow.
+start TensorFlow. In a notebook, TensorFlow's C++ start-up lines are hidden unless TF_CPP_MIN_LOG_LEVEL is set
+(0 shows them all).
 """
 
 from __future__ import annotations
 
 from tfdist.errors import ConfigError, InitOrderError, TfdistError
 from tfdist.lazy import exports
+from tfdist.tf_logs import quiet_in_notebooks
+
+quiet_in_notebooks()  # a notebook's cells store their outputs, not TensorFlow's start-up lines (tf_logs says how)
 
 __version__ = "0.1.0"
 

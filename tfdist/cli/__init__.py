@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.tf_logs:
         # Quiet unless asked; the variable reaches TensorFlow here and in the processes a command starts.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tfdist.cli.quiet import quiet_tensorflow_import
+    from tfdist.tf_logs import quiet_tensorflow_import
 
     quiet_tensorflow_import()  # TensorFlow's lines from before its logging starts obey the variable too
     from tfdist.errors import TfdistError

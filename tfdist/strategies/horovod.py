@@ -35,9 +35,9 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
     """Data parallelism across processes with Horovod, for the ordinary Keras 3 path.
 
     A MirroredStrategy over this process's devices whose gradients are summed over the local devices, then across
-    processes with one fused Horovod all-reduce per step; `num_replicas_in_sync` counts every process's replicas.
-    Variables start as rank 0's, the input is sharded by rank and metrics are global on every rank. Run one process
-    per GPU (or CPU socket) under `horovodrun`, `mpirun`, `srun` or `tfdist launch --backend horovod`; a plain
+    processes with one fused Horovod all-reduce per step; `strategy.num_replicas_in_sync` counts every process's
+    replicas. Variables start as rank 0's, the input is sharded by rank and metrics are global on every rank. Run one
+    process per GPU (or CPU socket) under `horovodrun`, `mpirun`, `srun` or `tfdist launch --backend horovod`; a plain
     `python script.py` is a one-process job.
 
     Args:

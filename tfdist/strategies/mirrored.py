@@ -23,7 +23,7 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
     A drop-in `tf.distribute.MirroredStrategy` for several devices in one process. It takes every local GPU, or
     else every logical CPU, when `devices` is None (stock TF takes only CPU:0 without GPUs), checks `devices`
     against the machine, has its own collective keys (several strategies can live in one process), shards the
-    optimizer state, gradients and parameters with `zero_stage`, and keeps one input iterator per distributed
+    optimizer state, gradients and parameters with `zero_stage=1|2|3`, and keeps one input iterator per distributed
     dataset, rewound for each epoch.
 
     Args:

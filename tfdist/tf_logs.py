@@ -1,11 +1,15 @@
-"""TensorFlow's start-up lines on a command line: TF_CPP_MIN_LOG_LEVEL, applied also to the lines TensorFlow
-writes before its own logging is set up.
+"""TensorFlow's start-up lines: TF_CPP_MIN_LOG_LEVEL, applied also to the lines TensorFlow writes before its own
+logging is set up. Quiet by default in the `tfdist` command and in notebooks.
 
 TensorFlow's C++ start-up messages (oneDNN, CPU features) go through absl before absl's logging is
 initialised, and those lines reach stderr whatever TF_CPP_MIN_LOG_LEVEL says. `quiet_tensorflow_import()`
 makes the first `import tensorflow` of the process (wherever a command does it, if it does) run with stderr
 captured; afterwards every captured line is written back except the absl lines below TF_CPP_MIN_LOG_LEVEL and
 absl's "before InitializeLog" banner. With the variable unset or 0 (`tfdist --verbose`) nothing is hidden.
+
+In a notebook (an IPython kernel), `import tfdist` before TensorFlow does the same with TF_CPP_MIN_LOG_LEVEL=2
+unless the variable is set: a notebook's cells then store the outputs, not TensorFlow's start-up lines. Set
+TF_CPP_MIN_LOG_LEVEL=0 before `import tfdist` to see them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import re
 import sys
 import tempfile
 
-__all__ = ["kept_lines", "log_level", "quiet_tensorflow_import"]
+__all__ = ["kept_lines", "log_level", "quiet_in_notebooks", "quiet_tensorflow_import"]
 
 # absl's prefix: severity letter, MMDD, time, thread id, file:line]
 _ABSL_LINE = re.compile(r"^([IWE])\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [^ \]]+:\d+\] ")
@@ -112,3 +116,12 @@ def quiet_tensorflow_import() -> None:
     if level < 1 or "tensorflow" in sys.modules or any(isinstance(f, _QuietFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _QuietFinder(level))
+
+
+def quiet_in_notebooks() -> None:
+    """In an IPython kernel, before TensorFlow starts: TF_CPP_MIN_LOG_LEVEL=2 unless set, and the first
+    `import tensorflow` keeps its start-up lines below that level out of the cells' outputs."""
+    if "ipykernel" not in sys.modules or "tensorflow" in sys.modules:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_tensorflow_import()
