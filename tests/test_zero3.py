@@ -511,3 +511,21 @@ def test_stage3_formula_and_report_text(runs):
     strategy, model, _ = runs["cnn", 3]
     text = str(strategy.memory_report(model))
     assert text.startswith("ZeRO stage 3, 4 replicas") and "gathered parameters (the two largest units)" in text
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains_at_stage3_as_at_stage0(policy):
+    """Keras casts a layer's float32 weights to the compute dtype inside its call; stage 3 gathers them for the
+    forward and again for the backward's recompute, which runs outside the call and must cast them alike. Under
+    mixed_float16 Keras' compile adds its LossScaleOptimizer."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        (_, ref), (_, model) = make(0, lambda: mlp_with_state(0.0)), make(3, lambda: mlp_with_state(0.0))
+        ref_loss, loss = fit(ref, epochs=3), fit(model, epochs=3)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert {w.dtype for w in model.weights} == {"float32"}  # variables stay float32; only the compute is 16-bit
+    assert type(model.optimizer).__name__ == type(ref.optimizer).__name__
+    assert np.all(np.isfinite(loss)) and loss[-1] < loss[0]
+    assert max_rel(ref.get_weights(), model.get_weights()) < 1e-5  # as in float32: same casts, same sums
+    assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-5

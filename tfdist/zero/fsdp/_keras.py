@@ -1,17 +1,19 @@
 """Keras and tf.distribute internals ZeRO stage 3 needs: a layer's own variables, per-instance call wrapping,
-the local replica index, the compiled step functions of a model."""
+the local replica index, the compiled step functions of a model, and Keras' mixed-precision autocast (which a
+layer's backward recompute must enter again)."""
 
 from __future__ import annotations
 
 import tfdist._compat  # noqa: F401  (the TF/Keras version check, before any reach-in below)
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
-__all__ = ["direct_trainable_variables", "local_replica_index", "original_call", "reset_step_functions",
-           "set_call", "sublayers"]
+__all__ = ["autocast", "autocast_dtype", "direct_trainable_variables", "local_replica_index", "original_call",
+           "reset_step_functions", "set_call", "sublayers"]
 
 
 def direct_trainable_variables(layer) -> list:
@@ -59,3 +61,24 @@ def reset_step_functions(model) -> None:
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+
+
+def autocast_dtype() -> str | None:
+    """The dtype Keras casts float variables to in the layer call running now (a mixed-precision policy's
+    compute dtype, set by Layer.__call__), or None."""
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+@contextlib.contextmanager
+def autocast(dtype: str | None) -> Iterator[None]:
+    """Keras' autocast of float variables to `dtype`, as Layer.__call__ sets it; nothing when None."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    if dtype is None:
+        yield
+        return
+    with AutocastScope(dtype):
+        yield

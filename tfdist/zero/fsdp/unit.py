@@ -72,6 +72,9 @@ class FsdpUnit:
         if ctx is None or not tf.distribute.has_strategy():
             return self._run_stock(args, kwargs)
         replica = fsdp_keras.local_replica_index(ctx)
+        # Mixed precision: Layer.__call__ casts float weights to the compute dtype while the call runs; the
+        # backward's recompute runs outside that call and must cast the gathered weights the same way.
+        cast_to = fsdp_keras.autocast_dtype()
         pieces = [p.components[replica].read_value() for _, p in self.params]  # recorded: the tape's sources
         others = [tf.convert_to_tensor(v) for v in self.others]
         leaves = tf.nest.flatten((args, kwargs))
@@ -90,7 +93,8 @@ class FsdpUnit:
             try:
                 # A split layer's per-device blocks (custom gradients) read the weights by closure: they must
                 # still differentiate them.
-                with keras.StatelessScope(state_mapping=mapping) as scope, differentiable_captures(weights):
+                with (fsdp_keras.autocast(cast_to), keras.StatelessScope(state_mapping=mapping) as scope,
+                      differentiable_captures(weights)):
                     out = self.stock_call(*a, **kw)
             finally:
                 current_unit().pop()
