@@ -133,3 +133,18 @@ def test_bench_tensor_parallel_records_the_targets(tmp_path):
         assert r["weight_bytes_ratio"] <= 1 / r["T"] + 0.02
         assert sum(r["bytes_per_device"]) == r["replicated_bytes"]  # the shards add up to the whole model
     assert record["passed"] and (tmp_path / "tp.png").exists()
+
+
+def test_auto_layout_of_one_sequential_fits_another_instance():
+    """Sequential models put their own name first in their variables' paths (`sequential/up/kernel`, then
+    `sequential_1/...`): LayoutMap.auto's keys must fit the instance built later in the scope."""
+    def build():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"), keras.layers.Dense(8, name="down")])
+
+    mesh = tfdist.DeviceMesh((1, 2), ("batch", "model"), DEVICES[:2])
+    first = build()
+    strategy = tfdist.ModelParallelStrategy(tfdist.LayoutMap.auto(first, mesh))
+    with strategy.scope():
+        second = build()
+    assert second.name != first.name
+    assert {(s.name, s.kind) for s in strategy.shard_plan(second).layers} == {("up", "column"), ("down", "row")}

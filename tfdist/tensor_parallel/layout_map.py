@@ -139,7 +139,9 @@ class LayoutMap(MutableMapping):
         previous Dense's output, that output feeding nothing else), the first of each pair is column-parallel
         (kernel (None, model), bias (model,)) and the second row-parallel (kernel (model, None), bias
         replicated): one all-reduce forward and one backward per pair. Pairs whose hidden size the model axis
-        does not divide stay replicated; keys are the exact (escaped) variable paths.
+        does not divide stay replicated. Keys are the variables' paths (escaped) below the model: the model's own
+        name may differ (`sequential/...` vs `sequential_1/...`), so the map also fits another instance of the same
+        architecture, built later in the strategy's scope.
 
         Example:
             >>> layout_map = tfdist.LayoutMap.auto(model, mesh)
@@ -151,6 +153,12 @@ class LayoutMap(MutableMapping):
         from tfdist._compat import keras_model
 
         out = cls(mesh)
+        own = f"{model.name}/"
+
+        def key(variable) -> str:
+            path = variable.path  # Sequential and subclassed models put their own (instance) name first
+            return ("(?:[^/]+/)?" + re.escape(path[len(own):])) if path.startswith(own) else re.escape(path)
+
         size = out.device_mesh.axis_size(model_dim_name)
         graph = keras_model.layer_graph(model)
         children: dict[int, list] = collections.defaultdict(list)
@@ -161,10 +169,10 @@ class LayoutMap(MutableMapping):
         for layer, *_ in graph:  # attention: heads over the model axis, the output projection row-parallel
             if isinstance(layer, keras.layers.MultiHeadAttention) and layer.num_heads % size == 0:
                 for projection in (layer.query_dense, layer.key_dense, layer.value_dense):
-                    out[re.escape(projection.kernel.path)] = (None, model_dim_name, None)
+                    out[key(projection.kernel)] = (None, model_dim_name, None)
                     if projection.bias is not None:
-                        out[re.escape(projection.bias.path)] = (model_dim_name, None)
-                out[re.escape(layer.output_dense.kernel.path)] = (model_dim_name, None, None)
+                        out[key(projection.bias)] = (model_dim_name, None)
+                out[key(layer.output_dense.kernel)] = (model_dim_name, None, None)
         for layer, parents, *_ in graph:
             if not isinstance(layer, keras.layers.Dense) or id(layer) in paired:
                 continue
@@ -175,10 +183,10 @@ class LayoutMap(MutableMapping):
             if layer.units % size:
                 continue
             paired.update((id(layer), id(second)))
-            out[re.escape(layer.kernel.path)] = (None, model_dim_name)
+            out[key(layer.kernel)] = (None, model_dim_name)
             if layer.bias is not None:
-                out[re.escape(layer.bias.path)] = (model_dim_name,)
-            out[re.escape(second.kernel.path)] = (model_dim_name, None)
+                out[key(layer.bias)] = (model_dim_name,)
+            out[key(second.kernel)] = (model_dim_name, None)
         return out
 
 
