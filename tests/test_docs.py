@@ -159,6 +159,6 @@ def test_notebooks_store_no_log_noise_and_use_public_names(notebook):
             if output.get("name") == "stderr":
                 problems.append(f"cell {number}: stored stderr: {''.join(output.get('text', ''))[:120]!r}")
             text = "".join(output.get("text", ""))
-            if re.search(r"^[IWE]\d{4} \d\d:\d\d:\d\d|InitializeLog|Warning:", text, re.M):
+            if re.search(r"^[IWE]\d{4} \d\d:\d\d:\d\d|InitializeLog|Warning:|^(INFO|WARNING):tensorflow:", text, re.M):
                 problems.append(f"cell {number}: log line in an output: {text[:120]!r}")
     assert not problems, f"{notebook.name}:\n" + "\n".join(problems)

@@ -80,8 +80,8 @@ def _filtered_stderr(level: int):
 class _QuietLoader(importlib.abc.Loader):
     """Runs the real loader of the `tensorflow` package inside _filtered_stderr."""
 
-    def __init__(self, loader, level: int):
-        self._loader, self._level = loader, level
+    def __init__(self, loader, level: int, python_logger: bool = False):
+        self._loader, self._level, self._python_logger = loader, level, python_logger
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -90,13 +90,17 @@ class _QuietLoader(importlib.abc.Loader):
         module.__loader__ = module.__spec__.loader = self._loader  # TensorFlow sees its own loader
         with _filtered_stderr(self._level):
             self._loader.exec_module(module)
+        if self._python_logger:
+            # In an interactive kernel TensorFlow's Python logger prints INFO to stdout ("Using MirroredStrategy
+            # with devices ..."): the same level for it (get_logger creates it now, so nothing resets it later).
+            module.get_logger().setLevel({1: "WARNING"}.get(self._level, "ERROR"))
 
 
 class _QuietFinder(importlib.abc.MetaPathFinder):
     """Finds `tensorflow` through the other finders, once, and hands it a _QuietLoader."""
 
-    def __init__(self, level: int):
-        self._level = level
+    def __init__(self, level: int, python_logger: bool = False):
+        self._level, self._python_logger = level, python_logger
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "tensorflow":
@@ -105,23 +109,25 @@ class _QuietFinder(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)  # one import only; the lookup below must not come back here
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _QuietLoader(spec.loader, self._level)
+            spec.loader = _QuietLoader(spec.loader, self._level, self._python_logger)
         return spec
 
 
-def quiet_tensorflow_import() -> None:
+def quiet_tensorflow_import(python_logger: bool = False) -> None:
     """From now on, the first `import tensorflow` of this process hides the start-up lines below
-    TF_CPP_MIN_LOG_LEVEL. Nothing to do when TensorFlow is already imported or the level is 0."""
+    TF_CPP_MIN_LOG_LEVEL (and, with `python_logger`, sets TensorFlow's Python logger to the same level).
+    Nothing to do when TensorFlow is already imported or the level is 0."""
     level = log_level()
     if level < 1 or "tensorflow" in sys.modules or any(isinstance(f, _QuietFinder) for f in sys.meta_path):
         return
-    sys.meta_path.insert(0, _QuietFinder(level))
+    sys.meta_path.insert(0, _QuietFinder(level, python_logger))
 
 
 def quiet_in_notebooks() -> None:
     """In an IPython kernel, before TensorFlow starts: TF_CPP_MIN_LOG_LEVEL=2 unless set, and the first
-    `import tensorflow` keeps its start-up lines below that level out of the cells' outputs."""
+    `import tensorflow` keeps its start-up lines below that level out of the cells' outputs, and its Python
+    logger's INFO lines too."""
     if "ipykernel" not in sys.modules or "tensorflow" in sys.modules:
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    quiet_tensorflow_import()
+    quiet_tensorflow_import(python_logger=True)
