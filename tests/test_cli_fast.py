@@ -139,3 +139,42 @@ def test_a_command_that_starts_tensorflow_shows_none_of_its_start_up_lines():
     assert verbose.returncode == 0, verbose.stderr[-2000:]
     if "port.cc" in plain:  # oneDNN's notice, where this TensorFlow prints it
         assert "port.cc" in verbose.stderr
+
+
+def _parsers(parser) -> dict:
+    """{command: [parsers]}: each command's parser, and a command's own sub-commands (tfdist bench NAME)."""
+    import argparse
+
+    def subs(p):
+        return next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    return {name: [p, *subs(p).values()] for name, p in subs(parser).items()}
+
+
+def test_every_option_of_every_command_is_in_the_cli_guide_and_the_guide_names_no_other():
+    """docs/cli.md has a section per command (## `tfdist NAME`): it names each option of that command (one
+    spelling of it), and every --option it names exists there (for `bench`, in one of its benchmarks)."""
+    from tfdist.cli import build_parser
+
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    sections = dict(re.findall(r"^## `tfdist ([\w-]+)`[^\n]*\n(.*?)(?=^## |\Z)", text, re.S | re.M))
+    problems = []
+    every = _parsers(build_parser())
+    for command, parsers in every.items():
+        section = sections.get(command)
+        if section is None:
+            problems.append(f"no section '## `tfdist {command}`'")
+            continue
+        own = [a for a in parsers[0]._actions if a.option_strings and a.dest != "help"]
+        for action in own:
+            if not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", section) for o in action.option_strings):
+                problems.append(f"tfdist {command}: {'/'.join(action.option_strings)} is not in its section")
+        for line in section.splitlines():
+            # a line may show another command too (`tfdist launch -n 2 -- tfdist train --strategy ps`)
+            shown = {command, *re.findall(r"tfdist ([\w-]+)", line)} & set(every)
+            known = {o for name in shown for p in every[name] for a in p._actions for o in a.option_strings}
+            for named in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", line):
+                if named not in known and named != "--help":
+                    problems.append(f"tfdist {command}: the guide names {named}, which the command does not take: "
+                                    f"{line.strip()[:100]}")
+    assert not problems, "docs/cli.md against argparse:\n" + "\n".join(problems)
