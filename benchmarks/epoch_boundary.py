@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (default 64, as tfdist train)")
     p.add_argument("--train-images", type=int, default=None,
                    help="train on the first N of the 4000 MNIST training images (default: all)")
+    p.add_argument("--test-images", type=int, default=None,
+                   help="validate on the first N of the 1000 MNIST test images (default: all)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=["stock", "tfdist"],
                    help="strategies to run: stock and tfdist (default; --replicas logical CPUs in one process), "
                         "multiworker and horovod (2 processes, one device each; the -tf-iterators kinds "
@@ -102,7 +104,8 @@ def _worker(args: argparse.Namespace) -> None:
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     train = order.dataset(arrays.x_train[:n], arrays.y_train[:n], args.batch_size).prefetch(tf.data.AUTOTUNE)
-    test = tf.data.Dataset.from_tensor_slices((arrays.x_test, arrays.y_test)).batch(args.batch_size)
+    m = len(arrays.x_test) if args.test_images is None else args.test_images
+    test = tf.data.Dataset.from_tensor_slices((arrays.x_test[:m], arrays.y_test[:m])).batch(args.batch_size)
     train, test = train.with_options(options), test.prefetch(tf.data.AUTOTUNE).with_options(options)
     with strategy.scope():
         model = tfdist.models.cnn(arrays.input_shape, arrays.num_classes, seed=0)
@@ -117,7 +120,7 @@ def _worker(args: argparse.Namespace) -> None:
         return  # rank 0 writes the record
     record = {"kind": args.kind, "strategy": LABELS[args.kind], "replicas": strategy.num_replicas_in_sync,
               "processes": tfdist.cluster.world_size(strategy),
-              "train_images": n, "global_batch": args.batch_size, "fit_seconds": wall,
+              "train_images": n, "test_images": m, "global_batch": args.batch_size, "fit_seconds": wall,
               "epochs": epoch_figures(clock.epochs),
               "val_accuracy": [float(v) for v in history.history.get("val_accuracy", [])]}
     from tfdist.data_parallel.input_reuse import total_iterator_counts
@@ -194,7 +197,7 @@ def run_one(kind: str, args: argparse.Namespace, out: str) -> dict:
 
     cmd = module_command("benchmarks.epoch_boundary", worker=True, kind=kind, epochs=args.epochs,
                          replicas=args.replicas, batch_size=args.batch_size, train_images=args.train_images,
-                         json=out)
+                         test_images=args.test_images, json=out)
     start = time.perf_counter()
     if kind in LAUNCHERS:
         code, output = _run_processes(cmd, kind, args.timeout)
@@ -254,6 +257,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.train_images is not None and not 2 * args.batch_size <= args.train_images <= 4000:
         raise ConfigError(f"--train-images must be between 2 x --batch-size ({2 * args.batch_size}) and 4000, "
                           f"got {args.train_images}.")
+    if args.test_images is not None and not args.batch_size <= args.test_images <= 1000:
+        raise ConfigError(f"--test-images must be between --batch-size ({args.batch_size}) and 1000, "
+                          f"got {args.test_images}.")
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -316,7 +322,8 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict]], order: list
     return {
         "benchmark": NAME, "model": "tfdist.models.cnn", "dataset": "mnist (4000 train / 1000 test)",
         "optimizer": "Adam(1e-3)", "logical_cpus": args.replicas, "global_batch": args.batch_size,
-        "train_images": args.train_images or 4000, "counted_epochs": args.epochs, "warmup_epochs": 1,
+        "train_images": args.train_images or 4000, "test_images": args.test_images or 1000,
+        "counted_epochs": args.epochs, "warmup_epochs": 1,
         "rounds": args.rounds, "order": order, "target_ratio": TARGET,
         "definitions": {
             "ratio": "(on_train_batch_end of epoch e's first step - on_test_end of epoch e-1's validation) / "

@@ -16,9 +16,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 # benchmarks/ is not installed: subprocesses that import it (benchmark workers, jobs that read traces) find it
-# in this clone, whatever directory they start in.
+# in this clone, whatever directory they start in. tests/site holds the suite's sitecustomize: Keras in every
+# process the suite starts imports without its optional scikit-learn/pandas/matplotlib integrations (that file
+# says why and what it saves).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+SITE = os.path.join(ROOT, "tests", "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, ROOT, os.environ.get("PYTHONPATH")) if p)
 
 import tfdist  # noqa: E402
 
@@ -41,6 +44,17 @@ def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = N
 @pytest.fixture
 def python():
     return run_python
+
+
+@pytest.fixture(scope="session")
+def plain_keras():
+    """`plain_keras(path)`: the `.keras` file loaded in plain Keras (no tfdist, one device), as a record of its
+    weights and optimizer variables (tests/plain_keras.py); one loader process serves the whole session."""
+    from plain_keras import PlainKeras
+
+    loader = PlainKeras()
+    yield loader.load
+    loader.close()
 
 
 @pytest.fixture(scope="module")
@@ -101,35 +115,37 @@ SHARED_UNITS = {
 _UNIT_OF = {name: unit for unit, names in SHARED_UNITS.items() for name in names}
 
 
-# Files whose tests share no module fixture: each test is its own unit, so the two workers split them (the doc
-# blocks: one process or launch per page or script).
-SPLIT_FILES = ("test_doc_blocks.py",)
+# Files whose tests are split between the two workers: each test is its own unit, except the tests named here,
+# which share a module fixture and so one unit (the doc blocks: a launch per script; the pages' in-process blocks
+# in one process per logical-CPU count).
+SPLIT_FILES = {"test_doc_blocks.py": {"test_a_pages_python_blocks_run_in_order": "doc pages"}}
 
 
 def _unit(item) -> str:
     name = item.path.name
     if name in SPLIT_FILES:
-        return item.nodeid
+        return SPLIT_FILES[name].get(getattr(item, "originalname", item.name), item.nodeid)
     return _UNIT_OF.get(name, name)
 
 
 # Units that take longest go first, so that neither worker is left with a long one at the end (longest first is
-# the classic rule for packing jobs on two machines). Minutes per unit, from `make test`'s --durations (rounded;
-# only the order matters). Units not listed follow in collection order.
+# the classic rule for packing jobs on two machines). Minutes per unit under two workers, from `make test`'s
+# --durations (rounded; only the order matters). Units not listed follow in collection order.
 UNIT_MINUTES = {
-    "memory": 5.2, "slurm": 3.4, "test_multiworker_cli.py": 2.8, "test_horovod_multiprocess.py": 2.4,
-    "test_tensor_parallel_horovod.py": 2.2, "test_parameter_server.py": 2.0, "test_zero3.py": 2.0,
-    "test_tensor_parallel_zero.py": 2.0, "test_zero_multiworker.py": 1.8, "test_tensor_parallel_model_procs.py": 1.7,
-    "test_tensor_parallel_procs.py": 1.6, "test_custom_loop_checkpoint.py": 1.5, "test_zero.py": 1.5,
-    "test_comm_api.py": 1.5, "test_tensor_parallel_zero_horovod.py": 1.4, "test_multiworker_preemption.py": 1.4,
-    "test_tensor_parallel_clip.py": 1.2, "test_zero_horovod.py": 1.2, "test_bench_allreduce_horovod_startup.py": 1.1,
-    "test_zero3_procs.py": 1.0, "test_tensor_parallel_zero3.py": 1.0, "test_bench_straggler.py": 0.9,
-    "test_zero3_pieces.py": 0.9, "test_tensor_parallel.py": 0.9, "test_epoch_boundary.py": 0.9,
-    "test_custom_loop.py": 0.8, "test_cli.py": 0.8, "test_multiworker_faults.py": 0.8,
-    "07_parameter_server.ipynb": 0.7, "test_bench_allreduce_links.py": 0.6, "04_zero_cnn.ipynb": 0.5,
-    "test_buckets.py": 0.5, "test_multiworker.py": 0.5, "test_horovod.py": 0.5, "02_multiworker_cnn.ipynb": 0.4,
-    "test_pipeline.py": 0.4, "test_bench_network_scaling.py": 0.4, "test_bench_zero.py": 0.4,
-    "test_tensor_parallel_pipeline.py": 0.4,
+    "memory": 8.0, "slurm": 5.0, "doc pages": 3.5, "test_tensor_parallel_horovod.py": 3.0,
+    "test_horovod_multiprocess.py": 3.0, "test_tensor_parallel_model_procs.py": 3.0, "test_multiworker_cli.py": 3.0,
+    "test_bench_allreduce_horovod_startup.py": 3.0, "test_parameter_server.py": 3.0, "test_zero3.py": 3.0,
+    "test_tensor_parallel_zero.py": 3.0, "test_zero_multiworker.py": 2.8,
+    "test_tensor_parallel_zero_horovod.py": 2.6, "test_tensor_parallel_procs.py": 2.5, "test_epoch_boundary.py": 2.5,
+    "test_multiworker_preemption.py": 2.4, "test_custom_loop_checkpoint.py": 2.2, "test_zero.py": 2.2,
+    "test_comm_api.py": 2.2, "test_buckets.py": 2.0, "test_tensor_parallel_clip.py": 1.9,
+    "test_zero_horovod.py": 1.9, "test_zero3_procs.py": 1.6, "test_tensor_parallel_zero3.py": 1.6,
+    "test_bench_straggler.py": 1.5, "test_multiworker_faults.py": 1.5, "07_parameter_server.ipynb": 1.5,
+    "test_zero3_pieces.py": 1.4, "test_tensor_parallel.py": 1.4, "test_custom_loop.py": 1.3, "test_cli.py": 1.2,
+    "test_multiworker.py": 1.2, "04_zero_cnn.ipynb": 1.2, "05_layer_placement_cnn.ipynb": 1.2,
+    "test_bench_zero.py": 1.1, "test_bench_network_scaling.py": 1.1, "02_multiworker_cnn.ipynb": 1.0,
+    "test_bench_allreduce_links.py": 0.9, "test_horovod.py": 0.7, "test_pipeline.py": 0.7,
+    "test_tensor_parallel_pipeline.py": 0.6,
 }
 
 

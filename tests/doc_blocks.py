@@ -1,7 +1,8 @@
 """The fenced code of README.md and docs/*.md, as the docs tests run it.
 
-A page's Python blocks run in order in one fresh process, as a notebook's cells do: a later block may use what an
-earlier one defined. A block whose first line says `run with: tfdist launch ... -- python train.py` is a script
+A page's Python blocks run in order in one namespace, as a notebook's cells do: a later block may use what an
+earlier one defined. Pages run one after another in a process shared by the pages that start TensorFlow with the
+same logical CPUs (test_doc_blocks.py), each in a fresh namespace and working directory. A block whose first line says `run with: tfdist launch ... -- python train.py` is a script
 of its own: it is written to train.py and started with that command. A block preceded by the line
 `<!-- not run: REASON -->` is skipped (the reason is required).
 

@@ -1,7 +1,9 @@
-"""One rank of the Horovod tests: `python horovod_worker.py SCENARIO OUT_DIR [options]` under any launcher.
+"""One rank of the Horovod tests: `python horovod_worker.py SCENARIO[,SCENARIO...] OUT_DIR [options]` under any
+launcher.
 
 Scenarios write `OUT_DIR/rank{r}.npz` (final weights and logs) so the test can compare ranks with
-each other and with a single-device run (`--reference`, no Horovod).
+each other and with a single-device run (`--reference`, no Horovod). Several scenarios run one after another in
+the process, each with a strategy of its own, and write to `OUT_DIR/SCENARIO/`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def dense_model(keras, hidden: int = 16):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["sgd", "cnn", "mismatch", "die", "accum", "save"])
+    p.add_argument("scenario", help="one or more (comma-separated) of: sgd, cnn, mismatch, die, accum, save")
     p.add_argument("out")
     p.add_argument("--reference", action="store_true", help="single device, no Horovod")
     p.add_argument("--compression", default=None)
@@ -46,6 +48,19 @@ def main() -> int:
     p.add_argument("--dataset", default="mnist")
     args = p.parse_args()
 
+    scenarios = args.scenario.split(",")
+    unknown = set(scenarios) - {"sgd", "cnn", "mismatch", "die", "accum", "save"}
+    if unknown:
+        p.error(f"unknown scenario(s) {sorted(unknown)}")
+    for scenario in scenarios:
+        out = args.out if len(scenarios) == 1 else os.path.join(args.out, scenario)
+        code = run(scenario, args, out)
+        if code:
+            return code
+    return 0
+
+
+def run(scenario: str, args: argparse.Namespace, out: str) -> int:
     import keras
     import tensorflow as tf
 
@@ -57,10 +72,10 @@ def main() -> int:
         devices = tfdist.devices.virtual_cpus(args.local_devices) if args.local_devices > 1 else None
         strategy = tfdist.HorovodStrategy(local_devices=devices, compression=args.compression)
         rank, size = strategy.rank, strategy.size
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     record: dict = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync}
 
-    if args.scenario == "save":
+    if scenario == "save":
         # Keras 3 save/load and predict under the strategy; rank 0 alone writes (the usual pattern).
         x, y = regression_data()
         with strategy.scope():
@@ -69,21 +84,21 @@ def main() -> int:
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         record["predict_rows"] = int(model.predict(x[:64], batch_size=32, verbose=0).shape[0])
         if rank == 0:
-            path = os.path.join(args.out, "model.keras")
+            path = os.path.join(out, "model.keras")
             model.save(path)
             loaded = keras.models.load_model(path)
             record["reload_max_diff"] = max(float(np.abs(a - b).max())
                                             for a, b in zip(model.get_weights(), loaded.get_weights()))
             record["reload_optimizer_iterations"] = int(loaded.optimizer.iterations.numpy())
-    elif args.scenario in ("sgd", "accum", "die"):
+    elif scenario in ("sgd", "accum", "die"):
         x, y = regression_data()
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
-        accum = 2 if args.scenario == "accum" else None
+        accum = 2 if scenario == "accum" else None
         with strategy.scope():
             model = dense_model(keras)
             model.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=accum),
                           loss="mse", metrics=["mae"])
-        if args.scenario == "die":
+        if scenario == "die":
             class Die(keras.callbacks.Callback):
                 def on_train_batch_end(self, batch, logs=None):
                     if rank == 1 and batch == 3:
@@ -95,7 +110,7 @@ def main() -> int:
         history = model.fit(ds, epochs=args.epochs, verbose=0, shuffle=False)
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["evaluate"] = [float(v) for v in model.evaluate(ds, verbose=0)]
-    elif args.scenario == "cnn":
+    elif scenario == "cnn":
         data = tfdist.data.load(args.dataset, global_batch_size=args.batch, strategy=strategy, seed=0)
         with strategy.scope():
             model = tfdist.models.cnn(data.arrays.input_shape, data.arrays.num_classes, seed=0)
@@ -104,13 +119,13 @@ def main() -> int:
         history = model.fit(data.train, epochs=args.epochs, verbose=0)
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["evaluate"] = [float(v) for v in model.evaluate(data.test, verbose=0)]
-    elif args.scenario == "mismatch":
+    elif scenario == "mismatch":
         with strategy.scope():
             model = dense_model(keras, hidden=16 if rank == 0 else 12)
         return 0
     weights = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-    np.savez(os.path.join(args.out, f"rank{rank}.npz"), **weights)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **weights)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     print(f"rank {rank}/{size}: done {json.dumps(record)[:300]}", flush=True)
     return 0

@@ -4,7 +4,7 @@ Usage (under `tfdist launch -n P --devices-per-worker M`): python tensor_paralle
 Global mesh ROWS x (P*M/ROWS) (default 1 row): each row spans P/ROWS processes, process q of a row holding its
 model positions q*M .. q*M+M-1. The processes of a row read the same part of every global batch (the row's data).
 TAGS: comma-separated run tags (default: all). Writes OUT/rank{r}.json with, per run, the logical weights
-(reading them is a collective), the one-device reference's, this process's shard variables (shape, devices),
+(reading them is a collective), the one-device reference's (the chief's record only), this process's shard variables (shape, devices),
 its replicated variables, evaluate/predict, the exchanges in a traced step; the chief also writes OUT/mlp.keras.
 """
 import json
@@ -45,15 +45,12 @@ for name, opt_name, optimizer in RUNS:
     if wanted is not None and tag not in wanted:
         continue
     strategy = strategies[name]
-    reference, ref_loss = fit(name, optimizer, None, ["accuracy"])
     split, loss = fit(name, optimizer, strategy, ["accuracy"])
     x, y, batch = DATA[name]
     plan = strategy.shard_plan(split)
-    entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
+    entry = {"weights": logical(split, strategy), "loss": loss,
              "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
-             "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
              "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
-             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist(),
              "shards": {f"{s.name}/{role}": [[v.path, list(v.shape), [c.device for c in v.value.values]] for v in vs]
                         for s in plan.layers for role, vs in s.shards.items()},
              "logical_shapes": {f"{s.name}/{role}": list(kv.shape) for s in plan.layers
@@ -64,8 +61,13 @@ for name, opt_name, optimizer in RUNS:
     if tag == "mlp-adam":
         # Every process calls it (a collective gather of the shards); the chief writes.
         entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, "mlp.keras"))
-    if "clip" in opt_name:  # one device without clipping: the clipping changed the result
-        entry["unclipped"] = logical(fit(name, UNCLIPPED, None)[0])
+    if rank == 0:  # the one-device reference (the same in every process: the chief's is compared with all)
+        reference, entry["ref_loss"] = fit(name, optimizer, None, ["accuracy"])
+        entry["reference"] = logical(reference)
+        entry["ref_evaluate"] = reference.evaluate(x, y, batch_size=batch, verbose=0)
+        entry["ref_predict"] = reference.predict(x, batch_size=batch, verbose=0).tolist()
+        if "clip" in opt_name:  # one device without clipping: the clipping changed the result
+            entry["unclipped"] = logical(fit(name, UNCLIPPED, None)[0])
     if opt_name == "sgd" or name == "transformer":
         entry["counts"] = traced_counts(strategy, split, name)
     record[tag] = entry

@@ -106,14 +106,16 @@ for name, opt_name, optimizer, stage in RUNS:
         strategies[name, stage] = tfdist.ModelParallelStrategy(layout, batch_dim_name="batch", timeout_s=60,
                                                                zero_stage=stage)
     strategy = strategies[name, stage]
-    reference, ref_loss = fit(name, optimizer, None, epochs)
     split, loss = fit(name, optimizer, strategy, epochs)
     x, y, batch = DATA[name]
-    entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
+    entry = {"weights": logical(split, strategy), "loss": loss,
              "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
-             "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
-             "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
-             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist()}
+             "predict": split.predict(x, batch_size=batch, verbose=0).tolist()}
+    if rank == 0:  # the one-device reference, the same in every process: the chief's is compared with all
+        reference, entry["ref_loss"] = fit(name, optimizer, None, epochs)
+        entry["reference"] = logical(reference)
+        entry["ref_evaluate"] = reference.evaluate(x, y, batch_size=batch, verbose=0)
+        entry["ref_predict"] = reference.predict(x, batch_size=batch, verbose=0).tolist()
     engine = tfdist.zero.engine_of(split)
     if engine is not None:  # ZeRO: this process's slot pieces (shape, device) and each group's local copies
         entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
@@ -130,9 +132,12 @@ for name, opt_name, optimizer, stage in RUNS:
         entry["params"] = {p.name: {"shape": list(p.shape), "pieces": [[list(c.shape), c.device] for c in p.components]}
                            for p in engine.params}
         with tfdist.zero.gathered_state(split):  # every process: the Adam state (per shard), gathered once
-            entry["slots"] = {v.path: np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables}
-        entry["ref_slots"] = {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()  # one device's, by slot name
-                              for v in reference.optimizer.variables}
+            # by path without the optimizer's own name (adam, adam_1, ...: the chief also built its references)
+            entry["slots"] = {v.path.split("/", 1)[-1]: np.asarray(v.numpy()).ravel().tolist()
+                              for v in split.optimizer.variables}
+        if rank == 0:
+            entry["ref_slots"] = {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()  # one device's, by slot name
+                                  for v in reference.optimizer.variables}
         entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, f"{name}-zero3.keras"))
     record[tag] = entry
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -33,18 +33,19 @@ def leftover_groups(pid: int) -> list[str]:
 @needs_cgroups
 def test_a_small_run_writes_its_record_and_removes_its_cgroups(tmp_path):
     out, png = tmp_path / "straggler.json", tmp_path / "straggler.png"
-    proc = tfdist_cli("bench", "straggler", "--rounds", "2", "--steps", "8", "--json", str(out), "--png", str(png))
+    # One round of the real jobs; how rounds interleave and are summarised: test_rounds_interleave_and_are_summarised
+    proc = tfdist_cli("bench", "straggler", "--rounds", "1", "--steps", "8", "--json", str(out), "--png", str(png))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "async / sync" in proc.stdout and png.stat().st_size > 0
     record = json.loads(out.read_text())
-    assert record["benchmark"] == "straggler" and record["rounds"] == 2
-    assert sorted(record["order"]) == ["async", "async", "sync", "sync"]
+    assert record["benchmark"] == "straggler" and record["rounds"] == 1
+    assert record["order"] == ["async", "sync"]
     assert record["quota_cpus"]["worker 0"] == 0.6 and record["quota_cpus"]["worker 1"] == 0.2
     assert record["steps_per_epoch"] == {"async": 16, "sync": 8}
     assert record["images_per_step"] == {"async": 64, "sync": 128}
     for mode in ("async", "sync"):
         runs = record["runs"][mode]
-        assert len(runs) == 2
+        assert len(runs) == 1
         for run in runs:
             assert run["images_per_sec"] > 0 and run["timed_seconds"] > 0
             assert run["timed_images"] == 8 * 128 and run["train_images"] == 2 * 8 * 128  # equal in both modes
@@ -60,6 +61,44 @@ def test_a_small_run_writes_its_record_and_removes_its_cgroups(tmp_path):
         assert set(record["cpus_used"]["sync"]) == {"worker 0", "worker 1"}
     assert record["ratio"] > 0 and isinstance(record["met"], bool) and record["target_ratio"] == 1.5
     assert record["cgroups"] and not [p for p in record["cgroups"] if os.path.exists(p)]
+
+
+def test_rounds_interleave_and_are_summarised(monkeypatch, tmp_path, capsys):
+    """`measure` over two rounds with jobs that return what a real job returns (figures made up): ABBA order,
+    the median of each mode, the per-round ratio, and the record and chart written."""
+    import argparse
+
+    class Groups:  # the CPU-quota groups, which only the real jobs need
+        def __init__(self, names, **kwargs):
+            pass
+
+        def paths(self):
+            return ["/sys/fs/cgroup/cpu/tfdist-straggler-test"]
+
+        def remove(self):
+            pass
+
+    rates = {"async": iter([300.0, 360.0]), "sync": iter([200.0, 150.0])}
+
+    def job(mode, args, groups, out_path):
+        return {"images_per_sec": next(rates[mode]), "timed_images": 1024, "train_images": 2048,
+                "timed_seconds": 1.0, "test_accuracy": 0.5, "job_seconds": 9.0, "members": {"worker 0": 1},
+                "cpus_used": {"worker 0": 0.5, "worker 1": 0.2}, "images_per_cpu_second": 100.0}
+
+    monkeypatch.setattr(straggler, "CpuGroups", Groups)
+    monkeypatch.setattr(straggler, "run_job", job)
+    parser = argparse.ArgumentParser()
+    straggler.add_arguments(parser)
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    straggler.measure(parser.parse_args(["--rounds", "2", "--json", str(out), "--png", str(png)]))
+    record = json.loads(out.read_text())
+    assert record["order"] == ["async", "sync", "sync", "async"] and record["rounds"] == 2
+    assert record["images_per_sec"]["async"] == {"median": 330.0, "min": 300.0, "max": 360.0, "rounds": 2}
+    assert record["images_per_sec"]["sync"]["median"] == 175.0
+    assert record["ratio"] == pytest.approx(330 / 175) and record["met"]
+    assert record["ratio_per_round"]["values"] == pytest.approx([1.5, 2.4])
+    assert record["cpus_used"]["sync"] == {"worker 0": 0.5, "worker 1": 0.2}
+    assert png.stat().st_size > 0 and "async / sync = 1.89" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ sys.path.insert(0, str(HERE))
 import comm_api_worker as worker  # noqa: E402
 
 WORKER = str(HERE / "comm_api_worker.py")
-ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(HERE.parent), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ["PYTHONPATH"]]), "OMPI_ALLOW_RUN_AS_ROOT": "1",
        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 LAUNCHER_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "TF_CONFIG", "SLURM_NTASKS",
                  "SLURM_STEP_NUM_TASKS")

@@ -1,8 +1,8 @@
 """Docs that stay true: every fenced Python block of README.md and docs/*.md runs, every `tfdist ...` command
 shown parses, and every full constructor signature written in the docs is the constructor's.
 
-How blocks run (one epoch, a page's blocks in order in one process, `run with:` scripts launched):
-tests/doc_blocks.py.
+How blocks run (one epoch, a page's blocks in order in a namespace of their own, pages sharing a process, `run with:`
+scripts launched): tests/doc_blocks.py.
 """
 
 from __future__ import annotations
@@ -18,22 +18,39 @@ import textwrap
 import doc_blocks
 import pytest
 
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(doc_blocks.REPO)}
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": os.pathsep.join([str(doc_blocks.REPO), os.environ["PYTHONPATH"]])}
 VIRTUAL_CPUS = re.compile(r"virtual_cpus\((\d+)\)")
 
-# Runs blocks in order in one namespace; a failing block is named by its page and line in the traceback.
+# Runs pages one after another in one process (TensorFlow started once, with the logical CPUs they all ask for):
+# each page's blocks in order in a namespace of its own and a working directory of its own, then Keras' global
+# state (session, dtype policy, distribution) back to its defaults. A failing block is named by its page and line.
 DRIVER = textwrap.dedent("""
-    import json, sys
-    namespace = {"__name__": "__main__"}
-    for label, code in json.load(open(sys.argv[1])):
-        print(f"--- {label}", flush=True)
-        exec(compile(code, label, "exec"), namespace)
+    import json, os, sys, tempfile, traceback
+    runs, results = json.load(open(sys.argv[1])), {}
+    for key, blocks in runs:
+        os.chdir(tempfile.mkdtemp(prefix="page-", dir=sys.argv[3]))
+        namespace = {"__name__": "__main__"}
+        try:
+            for label, code in blocks:
+                print(f"--- {label}", flush=True)
+                exec(compile(code, label, "exec"), namespace)
+            results[key] = None
+        except BaseException:
+            results[key] = traceback.format_exc()
+        finally:
+            if "keras" in sys.modules:
+                import keras
+                keras.backend.clear_session()
+                keras.config.set_dtype_policy("float32")
+                keras.distribution.set_distribution(None)
+        json.dump(results, open(sys.argv[2], "w"))
 """)
 
 
-def in_process_runs() -> list[tuple[str, list[doc_blocks.Block]]]:
+def in_process_runs() -> list[tuple[str, int | None, list[doc_blocks.Block]]]:
     """A page's in-process blocks, cut where a block asks for another number of logical CPUs than its process
-    started TensorFlow with (fixed at start): each run is one process."""
+    started TensorFlow with (fixed at start): (key, logical CPUs, blocks) per run."""
     runs: dict[str, list] = {}
     for block in doc_blocks.python_blocks():
         if block.launch or block.not_run:
@@ -51,7 +68,7 @@ def in_process_runs() -> list[tuple[str, list[doc_blocks.Block]]]:
         if entry[0] is None and wanted:
             entry[0] = int(wanted.group(1))
         entry[1].append(block)
-    return [(key, entry[1]) for key, entry in runs.items()]
+    return [(key, entry[0], entry[1]) for key, entry in runs.items()]
 
 
 def launched(collective_library: str, *, repeats: bool = False) -> list[doc_blocks.Block]:
@@ -80,16 +97,42 @@ def run_launched(block: doc_blocks.Block, tmp_path) -> None:
 
 
 RUNS = in_process_runs()
+# Strategies that must be created before TensorFlow initialises: a run that makes one has a process of its own.
+FIRST_THING = re.compile(r"\b(MultiWorkerMirroredStrategy|HorovodStrategy|ParameterServerStrategy)\(")
+# Runs share a process when TensorFlow starts them with the same logical CPUs (None: TF's default, one).
+PROCESS = {key: key if any(FIRST_THING.search(b.code) for b in run) else f"cpus={cpus}" for key, cpus, run in RUNS}
+
+
+@pytest.fixture(scope="module")
+def page_results(tmp_path_factory):
+    """Each group of runs (see PROCESS) in one fresh process, started when a test first asks for it."""
+    done: dict[str, dict] = {}
+
+    def result(key: str) -> tuple[str | None, str]:
+        process = PROCESS[key]
+        if process not in done:
+            tmp = tmp_path_factory.mktemp("pages")
+            group = [(k, [(b.label, doc_blocks.for_the_suite(b.code)) for b in run]) for k, _, run in RUNS
+                     if PROCESS[k] == process]
+            (tmp / "runs.json").write_text(json.dumps(group))
+            proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp / "runs.json"), str(tmp / "results.json"),
+                                   str(tmp)], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=1200,
+                                  check=False)
+            results = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").exists() else {}
+            done[process] = {"results": results, "output": proc.stdout[-3000:] + proc.stderr[-4000:]}
+        group = done[process]
+        if key not in group["results"]:  # the process died before this page (its output says why)
+            return f"the pages' process ended before {key}", group["output"]
+        return group["results"][key], group["output"]
+
+    return result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key, run", RUNS, ids=[key for key, _ in RUNS])
-def test_a_pages_python_blocks_run_in_order(key, run, tmp_path):
-    script = tmp_path / "blocks.json"
-    script.write_text(json.dumps([(b.label, doc_blocks.for_the_suite(b.code)) for b in run]))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(script)], cwd=tmp_path, env=ENV, capture_output=True,
-                          text=True, timeout=400, check=False)
-    assert proc.returncode == 0, f"{key}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+@pytest.mark.parametrize("key", list(PROCESS))
+def test_a_pages_python_blocks_run_in_order(key, page_results):
+    error, output = page_results(key)
+    assert error is None, f"{key}\n{error}\n--- the process's output:\n{output}"
 
 
 @pytest.mark.slow
@@ -110,7 +153,7 @@ def test_every_block_is_run_or_says_why_not():
     for block in blocks:
         if block.not_run:
             assert len(block.not_run) > 10, f"{block.label}: say why the block is not run"
-    ran = {b.label for _, run in RUNS for b in run}
+    ran = {b.label for _, _, run in RUNS for b in run}
     ran |= {b.label for b in launched("tf", repeats=True) + launched("horovod", repeats=True)}
     missing = [b.label for b in blocks if not b.not_run and b.label not in ran]
     assert not missing, f"blocks neither run nor marked '<!-- not run: reason -->': {missing}"

@@ -153,15 +153,16 @@ def test_fit_with_validation_builds_each_input_iterator_once(strategies):
 def test_fit_trains_exactly_as_with_tfs_iterators(strategies):
     reusing, plain = strategies
     before = total_iterator_counts()
-    model_a, history_a = _fit(reusing)
+    model_a, history_a = _fit(reusing, epochs=2)  # two epochs: the second starts after a validation and reshuffles
     after = total_iterator_counts()
-    model_b, history_b = _fit(plain)
+    model_b, history_b = _fit(plain, epochs=2)
     assert total_iterator_counts() == after and after["built"] - before["built"] == 2  # plain: TF's iterators
     np.testing.assert_array_equal(np.concatenate([w.ravel() for w in model_a.get_weights()]),
                                   np.concatenate([w.ravel() for w in model_b.get_weights()]))
     assert history_a == history_b
     # Validation on 2 batches of 8 (of 12): every validation starts again at the first.
-    assert _fit(reusing, validation_steps=2, batch=8)[1] == _fit(plain, validation_steps=2, batch=8)[1]
+    assert (_fit(reusing, epochs=2, validation_steps=2, batch=8)[1]
+            == _fit(plain, epochs=2, validation_steps=2, batch=8)[1])
 
 
 def test_datasets_from_a_function_and_iteration_inside_tf_function(strategies):
@@ -195,7 +196,7 @@ def test_datasets_from_a_function_and_iteration_inside_tf_function(strategies):
 def test_the_benchmark_runs_and_writes_its_record(tmp_path):
     out, png = tmp_path / "eb.json", tmp_path / "eb.png"
     proc = subprocess.run([sys.executable, "-m", "tfdist", "bench", "epoch-boundary", "--rounds", "1", "--epochs", "2",
-                           "--train-images", "256", "--json", str(out), "--png", str(png)],
+                           "--train-images", "256", "--test-images", "128", "--json", str(out), "--png", str(png)],
                           capture_output=True, text=True, timeout=900, check=False,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -206,6 +207,7 @@ def test_the_benchmark_runs_and_writes_its_record(tmp_path):
     for kind in ("stock", "tfdist"):
         (run,) = record["runs"][kind]
         assert [e["epoch"] for e in run["epochs"]] == [1, 2] and run["train_images"] == 256
+        assert run["test_images"] == 128
         assert all(e["ratio"] > 0 and e["steady_step_s"] > 0 for e in run["epochs"])
         summary = record["summary"][kind]
         assert summary["ratio"]["n"] == 2 and summary["ratio"]["min"] <= summary["ratio"]["median"]

@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "horovod_worker.py")
 BIN = os.path.dirname(sys.executable)
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-       "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": os.path.dirname(HERE)}
+       "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+       "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])}
 for _var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
     ENV.pop(_var, None)
 LAUNCHERS = ["gloo_backend", "horovodrun_gloo", "horovodrun_mpi", "mpirun"]
@@ -78,20 +79,27 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single-device runs that 2 ranks must reproduce (SGD, and SGD with gradient accumulation)."""
-    out = {}
-    for scenario in ("sgd", "accum"):
-        d = str(tmp_path_factory.mktemp(f"ref_{scenario}"))
-        subprocess.run(worker(scenario, d, "--reference"), env=ENV, check=True, timeout=180, capture_output=True)
-        out[scenario] = results(d, ranks=1)
-    return out
+    """The single-device runs that 2 ranks must reproduce (SGD, and SGD with gradient accumulation): one process."""
+    d = tmp_path_factory.mktemp("reference")
+    subprocess.run(worker("sgd,accum", str(d), "--reference"), env=ENV, check=True, timeout=180, capture_output=True)
+    return {scenario: results(d / scenario, ranks=1) for scenario in ("sgd", "accum")}
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    """SGD, SGD with gradient accumulation and save/predict on 2 ranks (Gloo): one launch, a strategy each."""
+    d = tmp_path_factory.mktemp("gloo")
+    codes, out = launch("gloo_backend", worker("sgd,accum,save", str(d)))
+    assert codes == [0, 0], out[-3000:]
+    return d
 
 
 @pytest.mark.parametrize("launcher", ["gloo_backend", "mpirun"])
-def test_two_ranks_match_one_device_and_each_other(launcher, reference, tmp_path):
-    codes, out = launch(launcher, worker("sgd", str(tmp_path)))
-    assert codes == [0] * len(codes), out[-3000:]
-    records, weights = results(tmp_path)
+def test_two_ranks_match_one_device_and_each_other(launcher, reference, gloo, tmp_path):
+    if launcher == "mpirun":
+        codes, out = launch(launcher, worker("sgd", str(tmp_path)))
+        assert codes == [0] * len(codes), out[-3000:]
+    records, weights = results(gloo / "sgd" if launcher == "gloo_backend" else tmp_path)
     (ref_record,), (ref_weights,) = reference["sgd"]
     assert max_diff(weights[0], weights[1]) == 0.0  # identical on every rank
     assert max_diff(weights[0], ref_weights) <= 1e-5  # = one device on the whole batch, SGD
@@ -112,11 +120,9 @@ def test_two_devices_per_rank_match_one_device(reference, tmp_path):
     assert max_diff(weights[0], reference["sgd"][1][0]) <= 1e-5
 
 
-def test_gradient_accumulation_reduces_on_update_steps_only(reference, tmp_path):
+def test_gradient_accumulation_reduces_on_update_steps_only(reference, gloo):
     # Keras 3 gradient_accumulation_steps=2: the all-reduce sits in tf.cond and runs every 2nd step.
-    codes, out = launch("gloo_backend", worker("accum", str(tmp_path)))
-    assert codes == [0, 0], out[-3000:]
-    _, weights = results(tmp_path)
+    _, weights = results(gloo / "accum")
     assert max_diff(weights[0], weights[1]) == 0.0
     assert max_diff(weights[0], reference["accum"][1][0]) <= 1e-5
 
@@ -174,10 +180,8 @@ def test_tfdist_train_strategy_horovod_under_each_launcher(launcher, tmp_path):
     assert out.count("test accuracy") == 2, out[-3000:]  # both ranks trained; one wrote the record
 
 
-def test_chief_saves_and_reloads_while_every_rank_predicts_its_shard(tmp_path):
-    codes, out = launch("gloo_backend", worker("save", str(tmp_path)))
-    assert codes == [0, 0], out[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_chief_saves_and_reloads_while_every_rank_predicts_its_shard(gloo):
+    records = [json.loads((gloo / "save" / f"rank{r}.json").read_text()) for r in range(2)]
     assert records[0]["reload_max_diff"] == 0.0  # .keras round trip on rank 0, no collective needed
     assert records[0]["reload_optimizer_iterations"] == 8  # 256 samples / global batch 32
     assert [r["predict_rows"] for r in records] == [32, 32]  # predict: each rank its half of 64 rows

@@ -67,9 +67,11 @@ def test_bench_allreduce_refuses_a_piece_size_below_a_quarter_mb():
 
 
 def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_path):
+    # One round of real launches (every stage under both allocators, stage 3 with prefetch); how rounds are
+    # interleaved and summarised is checked with two rounds in test_bench_zero_rounds_are_interleaved_and_summarised.
     path, png = tmp_path / "zero.json", tmp_path / "zero.png"
     proc = subprocess.run([*TFDIST, "bench", "zero", "--processes", "2", "--backend", "tf", "--width", "256",
-                           "--proc-steps", "2", "--proc-batch-size", "16", "--proc-rounds", "2",
+                           "--proc-steps", "2", "--proc-batch-size", "16", "--proc-rounds", "1",
                            "--json", str(path), "--png", str(png)],
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -89,20 +91,63 @@ def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_pat
     assert png.stat().st_size > 0 and "peak RSS, returning" in proc.stdout
     # stage 3 once more with fsdp_prefetch=True (its step time, reported next to stage 3's)
     prefetched = record["per_rank"]["pooled"]["3_prefetch"]
-    assert sorted(r["rank"] for r in prefetched) == [0, 1] and all(r["prefetch"] and r["stage"] == 3 for r in prefetched)
-    # step times: every variant launched once per round (2 rounds, interleaved); ratios taken within a round
+    assert sorted(r["rank"] for r in prefetched) == [0, 1]
+    assert all(r["prefetch"] and r["stage"] == 3 for r in prefetched)
     rounds = record["step_ms_rounds"]
-    assert sorted(rounds) == ["0", "1", "2", "3", "3_prefetch"] and all(len(t) == 2 for t in rounds.values())
-    assert all(r["round"] == 0 for r in prefetched) and rounds["3_prefetch"][0] == max(
-        r["median_step_ms"] for r in prefetched) > 0
-    for key in ("1", "2", "3", "3_prefetch"):
-        ratios = [t / t0 for t, t0 in zip(rounds[key], rounds["0"])]
+    assert sorted(rounds) == ["0", "1", "2", "3", "3_prefetch"] and all(len(t) == 1 for t in rounds.values())
+    assert rounds["3_prefetch"][0] == max(r["median_step_ms"] for r in prefetched) > 0
+    assert all(r["save_seconds"] is not None for r in record["per_rank"]["pooled"]["0"])  # round 0 times the save
+    assert "ZeRO-3 with fsdp_prefetch=True" in proc.stdout
+
+
+def test_bench_zero_rounds_are_interleaved_and_summarised(monkeypatch):
+    """`run_processes` over two rounds, with ranks that write what a real rank writes (step times made up):
+    every variant launched once per round in ABBA order, ratios taken within a round, the median judged."""
+    import argparse
+
+    from benchmarks import processes, zero_procs
+
+    launches = []
+
+    def fake_run_workers(cmd, n, launcher, env):
+        opts, i = {}, 3  # cmd: python -m benchmarks.zero_procs --name value ... --flag ...
+        while i < len(cmd):
+            takes_value = i + 1 < len(cmd) and not cmd[i + 1].startswith("--")
+            opts[cmd[i]] = cmd[i + 1] if takes_value else True
+            i += 2 if takes_value else 1
+        stage, allocator, round_ = int(opts["--stage"]), opts["--allocator"], int(opts["--round"])
+        prefetch = "--prefetch" in opts
+        launches.append((stage, prefetch, allocator, round_))
+        step = 10.0 * (1 + stage / 10 + (0.05 if prefetch else 0)) * (1 + round_)  # round 1: a slower machine
+        for rank in range(n):
+            record = {"rank": rank, "stage": stage, "allocator": allocator, "prefetch": prefetch, "round": round_,
+                      "peak_rss_bytes": (400 - 50 * stage) * 2**20, "tf_step_peak_bytes": 2**20 if allocator ==
+                      "pooled" else None, "median_step_ms": step + rank, "num_params": 1000,
+                      "save_seconds": None if round_ else 0.1}
+            tag = f"stage{stage}{'_prefetch' if prefetch else ''}_{allocator}_round{round_}"
+            with open(os.path.join(opts["--out"], f"{tag}_rank{rank}.json"), "w") as f:
+                json.dump(record, f)
+        return 0
+
+    monkeypatch.setattr(processes, "run_workers", fake_run_workers)
+    args = argparse.Namespace(backend="tf", processes=2, width=8, proc_steps=2, proc_batch_size=16, proc_rounds=2)
+    record = zero_procs.run_processes(args)
+    pooled = [(s, p, r) for s, p, a, r in launches if a == "pooled"]
+    keys = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+    assert pooled == [(*k, 0) for k in keys] + [(*k, 1) for k in reversed(keys)]  # ABBA
+    assert [(s, a) for s, p, a, r in launches if a == "returning"] == [(s, "returning") for s in range(4)]
+    rounds = record["step_ms_rounds"]
+    assert sorted(rounds, key=str) == sorted([0, 1, 2, 3, "3_prefetch"], key=str)
+    assert all(len(t) == 2 for t in rounds.values())
+    assert rounds[0] == [11.0, 21.0]  # the slowest rank's median step, per round
+    for key in (1, 2, 3, "3_prefetch"):
+        ratios = [t / t0 for t, t0 in zip(rounds[key], rounds[0])]
         assert record["step_ratio_rounds"][key] == pytest.approx(ratios)
         assert record["step_ratio_spread"][key] == pytest.approx(
             {"median": sum(ratios) / 2, "min": min(ratios), "max": max(ratios), "rounds": 2})
-    assert record["savings"]["3"]["prefetch_step_ratio_to_stage0"] == record["step_ratio_spread"]["3_prefetch"]["median"]
+    assert record["savings"][3]["prefetch_step_ratio_to_stage0"] == record["step_ratio_spread"]["3_prefetch"]["median"]
     assert record["median_step_ms_stage3_prefetch"] == pytest.approx(sum(rounds["3_prefetch"]) / 2)
-    assert "ZeRO-3 with fsdp_prefetch=True" in proc.stdout
+    assert record["per_rank"]["pooled"][0][0]["round"] == 0  # per_rank keeps round 0's ranks (the save is timed)
 
 
 def test_bench_allreduce_horovod_without_its_module_is_a_clear_error(monkeypatch):

@@ -119,7 +119,7 @@ def test_over_mpi_messages_under_mpirun(tmp_path):
         pytest.skip("OpenMPI's mpirun is installed by `make test` (apt openmpi-bin)")
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PYTHONPATH": os.path.dirname(here)}
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ["PYTHONPATH"]])}
     for var in ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_COMM_WORLD_RANK"):
         env.pop(var, None)
     proc = subprocess.run([mpirun, "-np", "2", "--oversubscribe", sys.executable,

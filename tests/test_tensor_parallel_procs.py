@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -35,21 +34,8 @@ ROW_TAGS = ("mlp-sgd", "mlp-adam", "mlp-adam-zero1", "mlp-adam-zero2",  # 2 proc
             "mlp-adam20-zero3")
 ZERO3_MODELS = ("mlp", "transformer")  # 2 processes x 2 devices, mesh 2 x 2, Adam, 20 steps: stage 0 and stage 3
 
-PLAIN_KERAS = """
-import json, sys
-import numpy as np
-import keras  # no tfdist: the file must load in plain Keras on one device
-model = keras.models.load_model(sys.argv[1])
-print(json.dumps({"weights": {v.path: np.asarray(v.numpy()).tolist() for v in model.weights},
-                  "slots": {v.path: list(v.shape) for v in model.optimizer.variables},
-                  "slot_values": {v.path.split("/")[-1]: np.asarray(v.numpy()).tolist()
-                                  for v in model.optimizer.variables},
-                  "iterations": int(model.optimizer.iterations.numpy())}))
-"""
-
-
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, plain_keras):
     out = tmp_path_factory.mktemp("tp_procs")
     log = io.StringIO()
     rc = launch([sys.executable, JOB, str(out)], 2, devices_per_worker=2, out=log, timeout_s=300,
@@ -59,7 +45,7 @@ def job(tmp_path_factory):
     for rank in (0, 1):
         with open(out / f"rank{rank}.json") as f:
             records.append(json.load(f))
-    return records, plain_keras(out / "mlp.keras")
+    return records, by_slot_name(plain_keras(out / "mlp.keras"))
 
 
 def arrays(weights: dict) -> dict:
@@ -115,16 +101,13 @@ def test_the_chiefs_keras_file_loads_in_plain_keras_with_the_trained_weights(job
     assert [r["mlp-adam"]["wrote_keras"] for r in records] == [True, False]  # save_model on both, the chief wrote
 
 
-def plain_keras(path) -> dict:
-    """The `.keras` file at `path` loaded in plain Keras (a fresh process without tfdist)."""
-    proc = subprocess.run([sys.executable, "-c", PLAIN_KERAS, str(path)], capture_output=True, text=True,
-                          timeout=180, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def by_slot_name(plain: dict) -> dict:
+    """A plain-Keras record (the `plain_keras` fixture) with its optimizer's slot values keyed by the slot's name."""
+    return {**plain, "slot_values": {p.split("/")[-1]: v for p, v in plain["slot_values"].items()}}
 
 
 @pytest.fixture(scope="module")
-def zero3_job(tmp_path_factory):
+def zero3_job(tmp_path_factory, plain_keras):
     """2 processes x 2 devices, mesh 2 x 2 (one row per process): the MLP and the Transformer block with Adam for 20
     steps at zero_stage=0 and 3; each ZeRO-3 model saved by `tfdist.training.save_model` on both processes."""
     out = tmp_path_factory.mktemp("tp_zero3")
@@ -134,7 +117,7 @@ def zero3_job(tmp_path_factory):
                 timeout_s=400, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    return records, {m: plain_keras(out / f"{m}-zero3.keras") for m in ZERO3_MODELS}
+    return records, {m: by_slot_name(plain_keras(out / f"{m}-zero3.keras")) for m in ZERO3_MODELS}
 
 
 @pytest.mark.slow
@@ -221,7 +204,7 @@ def test_each_process_holds_one_row_and_its_shards_on_its_own_devices(job):
 
 
 @pytest.fixture(scope="module")
-def rows_job(tmp_path_factory):
+def rows_job(tmp_path_factory, plain_keras):
     """2 processes x 4 devices, mesh 4 x 2: each process holds two rows. The MLP with SGD and Adam at stage 0, Adam
     at zero_stage 1 and 2 (each column's state in 4 pieces, two of them in each process), and Adam at zero_stage 3
     for 20 steps (parameters in 4 pieces too), whose chief's `.keras` file is loaded in plain Keras."""
@@ -230,7 +213,8 @@ def rows_job(tmp_path_factory):
     rc = launch([sys.executable, JOB, str(out), "4", ",".join(ROW_TAGS)], 2, devices_per_worker=4, out=log,
                 timeout_s=300, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)], plain_keras(out / "mlp-zero3.keras")
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return records, by_slot_name(plain_keras(out / "mlp-zero3.keras"))
 
 
 @pytest.mark.slow
@@ -241,7 +225,7 @@ def test_two_rows_per_process_sum_locally_then_across_processes(rows_job):
         assert record["num_replicas"] == 4
         assert record["mesh_rows"] == [[TASK.format(rank, 0), TASK.format(rank, 1)],
                                        [TASK.format(rank, 2), TASK.format(rank, 3)]]
-        got, ref = arrays(record["mlp-sgd"]["weights"]), arrays(record["mlp-sgd"]["reference"])
+        got, ref = arrays(record["mlp-sgd"]["weights"]), arrays(records[0]["mlp-sgd"]["reference"])
         for path in ref:
             assert float(np.max(np.abs(got[path] - ref[path]))) <= 1e-5, path
             np.testing.assert_array_equal(got[path], arrays(records[0]["mlp-sgd"]["weights"])[path])

@@ -121,7 +121,8 @@ def _run(backend: str, out, devices: int) -> tuple[list[dict], str]:
     log = io.StringIO()
     code = launch([sys.executable, os.path.join(HERE, "uneven_worker.py"), backend, str(out)], 2, backend=backend,
                   devices_per_worker=devices, out=log, timeout_s=240,
-                  env={"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.path.dirname(HERE)})
+                  env={"TF_CPP_MIN_LOG_LEVEL": "2",
+                       "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])})
     assert code != 124, "the job hung (stopped after 240 s):\n" + log.getvalue()[-4000:]
     assert code == 0, log.getvalue()[-4000:]
     return [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], log.getvalue()

@@ -12,7 +12,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.path.dirname(HERE)}
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])}
 for _var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
     ENV.pop(_var, None)
 BIN = os.path.dirname(sys.executable)
