@@ -14,6 +14,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # 2-core box the spinning rank took the CPU its peer needed to trace (first tf.function call 27 s instead of
 # 8 s). Yielding when idle changes no result, only who gets the CPU; every subprocess inherits it.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+# One thread per op (TensorFlow's intra-op pool) in every TensorFlow the suite starts: two workers each running
+# jobs of 2-5 processes put 4-10 TensorFlows on the 2 cores, and each one's default pool (a thread per core) only
+# adds threads that wait for a core and spin. Ops on different devices still run side by side (the inter-op pool
+# is left as it is). Measured in docs/benchmarks.md (figures from the test suite).
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 # benchmarks/ is not installed: subprocesses that import it (benchmark workers, jobs that read traces) find it
 # in this clone, whatever directory they start in. tests/site holds the suite's sitecustomize: Keras in every
