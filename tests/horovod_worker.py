@@ -38,7 +38,8 @@ def dense_model(keras, hidden: int = 16):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", help="one or more (comma-separated) of: sgd, cnn, mismatch, die, accum, save")
+    p.add_argument("scenario", help="one or more (comma-separated) of: sgd, cnn, mismatch, die, accum, save; "
+                                    "SCENARIO-fp16 or -bf16: with that compression on the wire")
     p.add_argument("out")
     p.add_argument("--reference", action="store_true", help="single device, no Horovod")
     p.add_argument("--compression", default=None)
@@ -49,7 +50,8 @@ def main() -> int:
     args = p.parse_args()
 
     scenarios = args.scenario.split(",")
-    unknown = set(scenarios) - {"sgd", "cnn", "mismatch", "die", "accum", "save"}
+    unknown = ({s.partition("-")[0] for s in scenarios} - {"sgd", "cnn", "mismatch", "die", "accum", "save"}
+               | {s.partition("-")[2] for s in scenarios} - {"", "fp16", "bf16"})
     if unknown:
         p.error(f"unknown scenario(s) {sorted(unknown)}")
     for scenario in scenarios:
@@ -66,14 +68,16 @@ def run(scenario: str, args: argparse.Namespace, out: str) -> int:
 
     import tfdist
 
+    scenario, _, wire = scenario.partition("-")  # "cnn-fp16": the cnn scenario with float16 on the wire
     if args.reference:
         strategy, rank, size = tf.distribute.get_strategy(), 0, 1
     else:
         devices = tfdist.devices.virtual_cpus(args.local_devices) if args.local_devices > 1 else None
-        strategy = tfdist.HorovodStrategy(local_devices=devices, compression=args.compression)
+        strategy = tfdist.HorovodStrategy(local_devices=devices, compression=wire or args.compression)
         rank, size = strategy.rank, strategy.size
     os.makedirs(out, exist_ok=True)
-    record: dict = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync}
+    record: dict = {"rank": rank, "size": size, "replicas": strategy.num_replicas_in_sync,
+                    "compression": getattr(strategy, "compression", None)}
 
     if scenario == "save":
         # Keras 3 save/load and predict under the strategy; rank 0 alone writes (the usual pattern).
