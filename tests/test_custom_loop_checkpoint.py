@@ -112,8 +112,7 @@ def test_custom_loop_under_mpirun(stock, tmp_path):
     if mpirun is None:
         pytest.skip("OpenMPI's mpirun is installed by `make test` (apt openmpi-bin)")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1", "PYTHONFAULTHANDLER": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(JOB)), os.environ["PYTHONPATH"]])}
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # PYTHONPATH: conftest's (this clone, tests/site)
     for var in ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_RANK",
                 "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
         env.pop(var, None)

@@ -18,8 +18,7 @@ import textwrap
 import doc_blocks
 import pytest
 
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-       "PYTHONPATH": os.pathsep.join([str(doc_blocks.REPO), os.environ["PYTHONPATH"]])}
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}  # PYTHONPATH: conftest's (this clone, tests/site)
 VIRTUAL_CPUS = re.compile(r"virtual_cpus\((\d+)\)")
 
 # Runs pages one after another in one process (TensorFlow started once, with the logical CPUs they all ask for):

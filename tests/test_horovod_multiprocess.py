@@ -18,8 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "horovod_worker.py")
 BIN = os.path.dirname(sys.executable)
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-       "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])}
+       "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # PYTHONPATH: conftest's (this clone, tests/site)
 for _var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
     ENV.pop(_var, None)
 LAUNCHERS = ["gloo_backend", "horovodrun_gloo", "horovodrun_mpi", "mpirun"]

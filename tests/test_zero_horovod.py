@@ -12,8 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-       "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])}
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}  # PYTHONPATH: conftest's (this clone, tests/site)
 for _var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
     ENV.pop(_var, None)
 BIN = os.path.dirname(sys.executable)
