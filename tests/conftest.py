@@ -169,3 +169,39 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs the Horovod build: make horovod"))
         if _uses(item, _ROOT_WORDS):
             item.add_marker(pytest.mark.root)
+
+
+# `TFDIST_TEST_CPU_LOG=FILE make test`: one JSON line per test phase with the CPU seconds it cost, the pytest
+# worker's own and those of every process it started and reaped (jobs, launchers and their ranks). The suite is
+# CPU-bound on 2 cores, so these seconds, not the durations, say where its time goes.
+_CPU_LOG = os.environ.get("TFDIST_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _cpu_logged(phase: str):
+    @pytest.hookimpl(hookwrapper=True)
+    def hook(item, *args):
+        if not _CPU_LOG:
+            yield
+            return
+        import json
+        import time
+
+        cpu, wall = _cpu_seconds(), time.monotonic()
+        yield
+        with open(_CPU_LOG, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "phase": phase, "unit": _unit(item),
+                                "cpu_s": round(_cpu_seconds() - cpu, 2),
+                                "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
+    return hook
+
+
+pytest_runtest_setup = _cpu_logged("setup")
+pytest_runtest_call = _cpu_logged("call")
+pytest_runtest_teardown = _cpu_logged("teardown")
