@@ -131,7 +131,7 @@ def run(kind: str, out: str) -> None:
     model, optimizer = new_model(2)  # 3. the custom loop again, from fit's checkpoint
     restore(model, optimizer, second)
     result["losses"] += ctl_epoch(model, optimizer)
-    # Logical weights, read through the layers (under tensor parallelism get_weights lists the shards).
+    # Logical weights, read through the layers (as get_weights gives them, also under tensor parallelism).
     result["weights"] = [np.asarray(w).tolist() for layer in model.layers for w in (layer.kernel, layer.bias)]
     result["iterations"] = int(optimizer.iterations.numpy())
     with tfdist.zero.gathered_state(optimizer):  # every process reads (multi-process ZeRO: gathers once)

@@ -58,12 +58,15 @@ for name, opt_name, optimizer in RUNS:
              "replicated": {v.path: np.asarray(v.numpy()).tolist() for v in split.weights if "_shard_" not in v.path},
              "replicated_slots": [np.asarray(v.numpy()).ravel().tolist() for v in split.optimizer.variables
                                   if "_shard_" not in v.path]}
+    if name == "mlp":  # logical, as plain Keras gives them (a collective too: every process calls it)
+        entry["get_weights"] = [w.tolist() for w in split.get_weights()]
     if tag == "mlp-adam":
         # Every process calls it (a collective gather of the shards); the chief writes.
         entry["wrote_keras"] = tfdist.training.save_model(split, os.path.join(out, "mlp.keras"))
     if rank == 0:  # the one-device reference (the same in every process: the chief's is compared with all)
         reference, entry["ref_loss"] = fit(name, optimizer, None, ["accuracy"])
         entry["reference"] = logical(reference)
+        entry["ref_paths"] = [v.path for v in reference.weights]  # Keras' order of get_weights
         entry["ref_evaluate"] = reference.evaluate(x, y, batch_size=batch, verbose=0)
         entry["ref_predict"] = reference.predict(x, batch_size=batch, verbose=0).tolist()
         if "clip" in opt_name:  # one device without clipping: the clipping changed the result

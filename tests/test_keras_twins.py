@@ -43,7 +43,8 @@ STRATEGIES = {
     "model-parallel-zero3": lambda: tfdist.ModelParallelStrategy(layout(), zero_stage=3),
 }
 # ModelParallelStrategy keeps a split weight as one variable per device (docs/tensor-parallel.md): its
-# variable lists are compared by the tensor-parallel tests, against the logical model.
+# variable lists (`model.weights`, the optimizer's) hold the shards, compared by the tensor-parallel tests against
+# the logical model; `get_weights`/`set_weights` are logical, as in plain Keras.
 SHARDED_VARIABLES = {"model-parallel", "model-parallel-zero3"}
 
 
@@ -85,8 +86,16 @@ def test_a_model_and_optimizer_built_under_a_strategy_are_their_plain_keras_twin
         described = lambda vs: [(v.path, tuple(v.shape), v.dtype) for v in vs]  # noqa: E731
         assert described(twin.weights) == described(plain.weights)
         assert described(twin.optimizer.variables) == described(plain.optimizer.variables)
+    for mine, theirs in zip(twin.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    if strategy_name in SHARDED_VARIABLES:  # logical values in, logical values out: each split over its shards
+        twin.set_weights(plain.get_weights())
         for mine, theirs in zip(twin.get_weights(), plain.get_weights(), strict=True):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(mine, theirs)
+        for mine, theirs in zip(twin.layers, plain.layers, strict=True):
+            assert [w.shape for w in mine.get_weights()] == [w.shape for w in theirs.get_weights()], mine.name
+        with pytest.raises(ValueError, match="weight shape"):
+            twin.set_weights([np.zeros((16, 8), "float32")] + plain.get_weights()[1:])
     if strategy_name == "mirrored-zero0":  # no_sync attaches its accumulation hook to the optimizer
         strategy = STRATEGIES[strategy_name]()  # no_sync acts on every optimizer of its strategy: a fresh one
         with strategy.scope():

@@ -381,6 +381,51 @@ def test_vocabulary_split_embedding_equals_one_device():
     np.testing.assert_allclose(fit(strategy), reference, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied, layout", [
+    (True, {"token_embedding/embeddings": ("model", None)}),  # logits column-parallel over the vocabulary
+    (True, {"token_embedding/embeddings": (None, "model")}),  # logits row-parallel over the features
+    (False, {"token_embedding/embeddings": ("model", None), "token_embedding/reverse_embeddings": (None, "model")}),
+    (False, {"token_embedding/reverse_embeddings": ("model", None)}),  # only the output kernel split
+], ids=["tied-vocab", "tied-features", "untied-both", "untied-reverse-only"])
+def test_reversible_embedding_both_ways_equals_one_device(tied, layout):
+    """A decoder's tied (or untied) input/output embedding, KerasHub's ReversibleEmbedding, called again with
+    reverse=True for the logits: the split model's logits have the vocabulary as last dimension and 6 Adam steps
+    equal one device, with the mask of mask_zero and a logit soft cap."""
+    vocab, width, length = 32, 8, 6
+
+    def lm():
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((length,), dtype="int32")
+        table = keras.layers.ReversibleEmbedding(vocab, width, tie_weights=tied, mask_zero=True, logit_soft_cap=5.0,
+                                                 name="token_embedding")
+        x = table(inputs)
+        x = keras.layers.Dense(width, activation="tanh", name="ff")(x)
+        return keras.Model(inputs, table(x, reverse=True))
+
+    rng = np.random.RandomState(2)
+    x, y = rng.randint(0, vocab, size=(24, length)), rng.randint(0, vocab, size=(24, length))
+
+    def fit(strategy):
+        with strategy.scope():
+            model = lm()
+            model.compile(optimizer=keras.optimizers.Adam(0.02),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    reference = fit(tf.distribute.get_strategy())
+    layout_map = tfdist.LayoutMap(tfdist.DeviceMesh((2, 2), ("batch", "model"), DEVICES))
+    for key, value in layout.items():
+        layout_map[key] = value
+    strategy = tfdist.ModelParallelStrategy(layout_map)
+    split = fit(strategy)
+    assert len(strategy.shard_plan(split).layers) == 1 and strategy.shard_plan(split).layers[0].kind == "reversible"
+    assert split.predict(x[:4], verbose=0).shape == (4, length, vocab)
+    np.testing.assert_allclose(split.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(split.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_auto_layout_map_pairs_consecutive_dense_layers():
     mesh = tfdist.DeviceMesh((1, 4), ("batch", "model"), DEVICES)
     layout_map = tfdist.LayoutMap.auto(mlp(), mesh)

@@ -64,6 +64,19 @@ def test_fit_with_the_model_axis_across_processes_equals_one_device(job):
 
 
 @pytest.mark.slow
+def test_get_weights_gives_the_logical_weights_in_keras_order_on_every_process(job):
+    _, records, _ = job
+    for tag in ("mlp-sgd", "mlp-adam"):
+        paths = records[0][tag]["ref_paths"]
+        for record in records:
+            got = record[tag]["get_weights"]
+            assert len(got) == len(paths), tag
+            for path, value in zip(paths, got):
+                np.testing.assert_array_equal(np.asarray(value), np.asarray(record[tag]["weights"][path]),
+                                              err_msg=f"{tag} {path}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tag", ["mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm", "mlp-sgd-ema"])
 def test_clipping_and_ema_across_the_row_equal_one_device(job, tag):
     """clipnorm (0.02) and global_clipnorm (0.05) clip all 12 steps (below every step's norms on one device):

@@ -17,8 +17,9 @@ import tensorflow as tf
 from tfdist._compat.keras_model import swap_variable_value
 from tfdist._compat.tf_runtime import SavedTensor
 
-__all__ = ["LogicalView", "attention_projections", "bind_method", "consumers", "model_output_layers", "optimizer_trainables", "override_checkpoint_children",
-           "own_variables", "replace_variable", "set_logical_view", "tracked_list", "wrap_compute_attention"]
+__all__ = ["LogicalView", "attention_projections", "bind_method", "consumers", "model_output_layers",
+           "optimizer_trainables", "override_checkpoint_children", "own_variables", "replace_variable",
+           "set_logical_view", "set_mask", "tracked_list", "wrap_compute_attention"]
 
 
 def own_variables(layer) -> list:
@@ -34,6 +35,14 @@ def replace_variable(layer, old, new: Sequence) -> None:
                 lst[i:i + 1] = list(new)
                 return
     raise ValueError(f"{old.path} is not a variable of layer {layer.name}")
+
+
+def set_mask(x, mask) -> None:
+    """Attaches a Keras mask to an eager/graph tensor, as `ReversibleEmbedding.call` does itself (its
+    `compute_mask` returns None, so Keras' own call wrapper sets none)."""
+    from keras.src.backend import set_keras_mask  # after tfdist._compat's version check (imported above)
+
+    set_keras_mask(x, mask)
 
 
 def bind_method(obj, name: str, function: Callable) -> None:

@@ -1,4 +1,5 @@
-"""The split forward of Dense, Conv and Embedding layers, and `split_layer_call`, which swaps it in.
+"""The split forward of Dense, Conv and Embedding layers (ReversibleEmbedding both ways), and `split_layer_call`,
+which swaps it in.
 
 Column-parallel layers (output features split) copy their input to every shard's device (Megatron's f) and
 return the logical activation, remembering its shards; row-parallel layers (input features split) read those
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from tfdist.tensor_parallel import _keras_layers as tp_compat
 from tfdist.tensor_parallel.einsum import einsum_column, einsum_row, set_split_axis
 from tfdist.tensor_parallel.ops import (
     copy_to_shards,
@@ -28,7 +30,8 @@ from tfdist.tensor_parallel.span import gathers_lazily, logical_value, position,
 
 __all__ = ["KINDS", "bias_part", "split_layer_call"]
 
-KINDS = ("column", "row", "vocab", "embedding_features", "einsum_column", "einsum_row", "conv_column", "conv_row")
+KINDS = ("column", "row", "vocab", "embedding_features", "reversible", "einsum_column", "einsum_row", "conv_column",
+         "conv_row")
 
 
 def bias_part(bias_shards, bias, k: int, devices):
@@ -123,9 +126,63 @@ def _embedding_features(layer, inputs, shards: dict, devices, home):
     return logical
 
 
+def _split_axis(shards: list, logical) -> int:
+    """The dimension along which `shards` split the variable `logical` (the one where their shapes differ)."""
+    return next(i for i, (part, whole) in enumerate(zip(shards[0].shape, logical.shape)) if part != whole)
+
+
+def _matmul_split(x, kernels: list, axis: int, devices, home, dtype):
+    """x @ kernel for a kernel split along `axis`: its output features (1: each device computes its slice of the
+    result from a copy of x, then a gather) or its input features (0: partial products, then their sum)."""
+    def product(xk, k):
+        return keras.ops.matmul(keras.ops.cast(xk, dtype), keras.ops.cast(kernels[k](), dtype))
+
+    if axis == 1:
+        xs = copy_to_shards(logical_value(x), devices, home)
+        ys = [on_device(device, lambda xk, k=k: product(xk, k), xs[k]) for k, device in enumerate(devices)]
+        return gather_from_shards(ys, home, devices=devices)
+    xs = shards_of(x, devices) or split_to_shards(logical_value(x), devices, home)
+    parts = [on_device(device, lambda xk, k=k: product(xk, k), xs[k]) for k, device in enumerate(devices)]
+    return reduce_from_shards(parts, devices, home)
+
+
+def _reversible(layer, x, shards: dict, devices, home, reverse: bool = False):
+    """ReversibleEmbedding (a tied or untied input/output embedding). Forward: a lookup in the split table, as
+    Embedding's. `reverse=True` (the logits, x @ embeddings^T or x @ reverse_embeddings): a vocabulary split of the
+    tied table makes the transposed kernel column-parallel, a feature split row-parallel; an untied
+    reverse_embeddings splits as a Dense kernel does."""
+    if not reverse:
+        tables = shards.get("embeddings")
+        if tables is None:  # only the reverse kernel is split: the lookup is Keras' own
+            return layer.__class__.call(layer, x)
+        lookup = _embedding_vocab if _split_axis(tables, layer.embeddings) == 0 else _embedding_features
+        y = lookup(layer, x, shards, devices, home)
+        if layer.mask_zero:
+            tp_compat.set_mask(y, tf.not_equal(x, 0))
+        return y
+    dtype = layer.reverse_dtype or layer.compute_dtype
+    if layer.tie_weights and "embeddings" in shards:
+        tables = shards["embeddings"]
+        kernels = [lambda k=k: tf.transpose(tf.convert_to_tensor(tables[k])) for k in range(len(tables))]
+        logits = _matmul_split(x, kernels, 1 - _split_axis(tables, layer.embeddings), devices, home, dtype)
+    elif not layer.tie_weights and "reverse_embeddings" in shards:
+        reverse_tables = shards["reverse_embeddings"]
+        kernels = [lambda k=k: tf.convert_to_tensor(reverse_tables[k]) for k in range(len(reverse_tables))]
+        logits = _matmul_split(x, kernels, _split_axis(reverse_tables, layer.reverse_embeddings), devices, home,
+                               dtype)
+    else:  # the reverse kernel is whole (untied and not split)
+        with tf.device(home):
+            return layer.__class__.call(layer, x, reverse=True)
+    with tf.device(home):
+        if layer.logit_soft_cap is not None:
+            cap = layer.logit_soft_cap
+            logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)
+        return logits
+
+
 _SPLIT_CALLS = {"column": _dense_column, "row": _dense_row, "vocab": _embedding_vocab,
-                "embedding_features": _embedding_features, "einsum_column": einsum_column, "einsum_row": einsum_row,
-                "conv_column": _conv_column, "conv_row": _conv_row}
+                "embedding_features": _embedding_features, "reversible": _reversible, "einsum_column": einsum_column,
+                "einsum_row": einsum_row, "conv_column": _conv_column, "conv_row": _conv_row}
 
 
 def split_layer_call(layer: keras.layers.Layer, kind: str, shards: dict[str, list],
@@ -145,6 +202,9 @@ def split_layer_call(layer: keras.layers.Layer, kind: str, shards: dict[str, lis
         if isinstance(inputs, keras.KerasTensor):
             return original(inputs, *args, **kwargs)
         devices = row_of(devices_for_replica())
-        return split(layer, tf.convert_to_tensor(inputs), shards, devices, devices[0])
+        options = {}
+        if kind == "reversible":  # ReversibleEmbedding.call(inputs, reverse=False)
+            options["reverse"] = bool(kwargs.get("reverse", args[0] if args else False))
+        return split(layer, tf.convert_to_tensor(inputs), shards, devices, devices[0], **options)
 
     layer.call = call

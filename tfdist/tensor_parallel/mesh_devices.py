@@ -35,7 +35,8 @@ def canonical_task_devices(devices: Sequence[str], parameter: str = "devices") -
             raise ConfigError(f"{parameter}: {name!r} does not name a process's device; a mesh across processes "
                               "lists every device as '/job:worker/replica:0/task:T/device:CPU:I' (or GPU), e.g. "
                               "from tfdist.cluster.list_devices(), or only local names ('/cpu:0') for one process.")
-        canonical = f"/job:{spec.job}/replica:{spec.replica or 0}/task:{spec.task}/device:{kind}:{spec.device_index or 0}"
+        canonical = (f"/job:{spec.job}/replica:{spec.replica or 0}/task:{spec.task}"
+                     f"/device:{kind}:{spec.device_index or 0}")
         if canonical in out:
             raise ConfigError(f"{parameter}: {name!r} is listed twice; each mesh position needs its own device.")
         out.append(canonical)

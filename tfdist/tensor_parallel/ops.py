@@ -171,7 +171,9 @@ def _fill_gradients(grads: list, sources: list, n: int, num_values: int) -> tupl
     out = []
     for k, (g, source) in enumerate(zip(grads, sources)):
         captured = n <= k < num_values
-        out.append(None if g is None and captured else tf.zeros_like(source) if g is None else _dense_gradient(g))
+        variable = k >= num_values  # a variable's sparse gradient (a lookup's) stays sparse, as Keras gives it
+        out.append(None if g is None and captured else tf.zeros_like(source) if g is None
+                   else g if variable else _dense_gradient(g))
     return out[:num_values], out[num_values:]
 
 

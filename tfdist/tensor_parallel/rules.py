@@ -55,6 +55,11 @@ def layer_kind(layer, axes: dict[str, int | None]) -> tuple[str | None, str]:
             return "conv_row", ""
         return None, (f"a {type(layer).__name__} kernel can be split on its output channels (dimension {rank - 1}, "
                       f"bias split alike or replicated) or its input channels (dimension {rank - 2}, bias replicated)")
+    if isinstance(layer, keras.layers.ReversibleEmbedding):
+        # Either table split on either dimension (the tied table serves both directions; an untied
+        # reverse_embeddings is a Dense kernel of shape (features, vocabulary)).
+        split = any(axes.get(role) is not None for role in ("embeddings", "reverse_embeddings"))
+        return ("reversible" if split else None), ""
     if isinstance(layer, keras.layers.Embedding):
         table = axes.get("embeddings")
         return {0: "vocab", 1: "embedding_features", None: None}[table], ""

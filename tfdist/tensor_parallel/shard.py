@@ -137,6 +137,7 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
     span = span_of(grid[0])
     if span is not None:
         _gather_only_where_read(model, everything)
+    _keep_logical_weights([model, *everything])
     return ShardPlan(model.name, [list(r) for r in grid], plan_layers, *_bytes(model, grid), span=span)
 
 
@@ -230,6 +231,48 @@ def _keep_logical_saving(layer, logical: list) -> None:
 
     tp_compat.bind_method(layer, "save_own_variables", save_own_variables)
     tp_compat.bind_method(layer, "load_own_variables", load_own_variables)
+
+
+def logical_weights(obj) -> list:
+    """`obj.weights` as plain Keras lists them: each split variable's shards give way, at the first shard, to the
+    logical variable they stand for (full shape; reads gather the shards, writes split the value over them)."""
+    inner = [obj, *keras_model.all_layers(obj)] if isinstance(obj, keras.layers.Layer) else [obj]
+    logical_of = {id(shard): split.logical[role] for layer in inner if layer in _split_layers
+                  for split in (_split_layers[layer],) for role, shards in split.shards.items() for shard in shards}
+    found, seen = [], set()
+    for variable in obj.weights:
+        variable = logical_of.get(id(variable), variable)
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
+def _keep_logical_weights(layers: list) -> None:
+    """`get_weights`/`set_weights` of the model and of every layer holding shards work on the logical variables,
+    as in plain Keras (weights copied between models, or from a checkpoint made without the mesh, keep their
+    shapes). `model.weights` keeps the shards: the optimizer and the gradients are per shard."""
+
+    def get_weights(self):
+        return [np.asarray(variable.numpy()) for variable in logical_weights(self)]
+
+    def set_weights(self, weights):
+        variables = logical_weights(self)
+        if len(variables) != len(weights):  # Keras' own checks and messages (keras/src/layers/layer.py)
+            raise ValueError(f"You called `set_weights(weights)` on layer '{self.name}' with a weight list of length "
+                             f"{len(weights)}, but the layer was expecting {len(variables)} weights.")
+        for variable, value in zip(variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(value)):
+                raise ValueError(f"Layer {self.name} weight shape {tuple(variable.shape)} is not compatible with "
+                                 f"provided weight shape {tuple(np.shape(value))}.")
+        for variable, value in zip(variables, weights):
+            variable.assign(value)
+
+    shard_ids = {id(shard) for split in _split_layers.values() for shards in split.shards.values() for shard in shards}
+    for layer in layers:
+        if any(id(variable) in shard_ids for variable in layer.weights):
+            tp_compat.bind_method(layer, "get_weights", get_weights)
+            tp_compat.bind_method(layer, "set_weights", set_weights)
 
 
 def _bytes(model, grid) -> tuple[dict[str, int], int]:
