@@ -2,12 +2,12 @@
 
 A page's Python blocks run in order in one namespace, as a notebook's cells do: a later block may use what an
 earlier one defined. Pages run one after another in a process shared by the pages that start TensorFlow with the
-same logical CPUs (test_doc_blocks.py), each in a fresh namespace and working directory. A block whose first line says `run with: tfdist launch ... -- python train.py` is a script
-of its own: it is written to train.py and started with that command. A block preceded by the line
-`<!-- not run: REASON -->` is skipped (the reason is required).
+same logical CPUs (test_doc_blocks.py), each in a fresh namespace and working directory. A block whose first line
+says `run with: tfdist launch ... -- python train.py` is a script of its own: it is written to train.py and started
+with that command. A block preceded by the line `<!-- not run: REASON -->` is skipped (the reason is required).
 
-To stay inside the suite's budget the runner trains for one epoch: `epochs=N` becomes `epochs=1`. Nothing else
-in a block is changed.
+To stay inside the suite's budget the runner shortens each `fit` (`for_the_suite`): one epoch, and on a dataset a
+few steps unless the block sets `steps_per_epoch`. Nothing else in a block is changed.
 """
 
 from __future__ import annotations
@@ -62,9 +62,38 @@ def python_blocks() -> list[Block]:
     return [b for page in markdown_pages() for b in blocks(page) if b.language == "python"]
 
 
+# A `fit` in the suite: one epoch of at most this many steps (and validation steps); the block's own choice is kept
+# where it makes one. The blocks train on the real MNIST: whole epochs would be most of the suite's time in them.
+SUITE_STEPS, SUITE_VALIDATION_STEPS = 24, 4
+
+
 def for_the_suite(code: str) -> str:
-    """The block as the suite runs it: one epoch."""
-    return EPOCHS.sub("epochs=1", code)
+    """The block as the suite runs it: each `fit` one epoch, of SUITE_STEPS steps where it gives no
+    `steps_per_epoch` and trains on a dataset (arrays keep their few batches), and SUITE_VALIDATION_STEPS
+    validation steps when it validates."""
+    out, at = [], 0
+    for call in re.finditer(r"\.fit\(", code):
+        if call.start() < at:
+            continue
+        end = _closing_paren(code, call.end())
+        args = EPOCHS.sub("epochs=1", code[call.end():end])
+        if "epochs=" in args and "steps_per_epoch" not in args and "batch_size" not in args:  # not on arrays
+            args = args.replace("epochs=1", f"epochs=1, steps_per_epoch={SUITE_STEPS}", 1)
+        if "validation_data" in args and "validation_steps" not in args:
+            args = args.replace("epochs=1", f"epochs=1, validation_steps={SUITE_VALIDATION_STEPS}", 1)
+        out += [code[at:call.end()], args]
+        at = end
+    return "".join(out) + code[at:]
+
+
+def _closing_paren(code: str, start: int) -> int:
+    """The index of the ")" that closes the call whose arguments begin at `start`."""
+    depth = 1
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced parentheses in a fit call: {code[start - 5:start + 60]!r}")
 
 
 def tfdist_commands() -> list[tuple[str, list[str]]]:

@@ -6,9 +6,9 @@ Global mesh ROWS x (P*M/ROWS) over `tfdist.cluster.list_devices()` (process r = 
 rank whole rows (the batch axis across the ranks), ROWS = 1 one row over every rank (the model axis across them).
 The strategy picks Horovod itself (backend="auto" under the Horovod launcher). TAGS: comma-separated run tags
 (default: all). Writes OUT/rank{r}.json with, per run, the logical weights (a collective read when rows span
-ranks), the one-device reference's, the replicated variables and optimizer slots, evaluate, predict, the exchanges and
-collective ops of a traced step; the chief also writes
-OUT/mlp.keras (`tfdist.training.save_model` on every rank).
+ranks), the one-device reference's (the chief's record only), the replicated variables and optimizer slots,
+evaluate, predict, the exchanges and collective ops of a traced step; the chief also writes OUT/mlp.keras
+(`tfdist.training.save_model` on every rank).
 """
 import json
 import os
@@ -50,15 +50,12 @@ for name, opt_name, optimizer in RUNS:
     if wanted is not None and tag not in wanted:
         continue
     strategy = strategies[name]
-    reference, ref_loss = fit(name, optimizer, None)
     split, loss = fit(name, optimizer, strategy)
     x, y, batch = DATA[name]
     plan = strategy.shard_plan(split)
-    entry = {"weights": logical(split, strategy), "reference": logical(reference), "loss": loss, "ref_loss": ref_loss,
+    entry = {"weights": logical(split, strategy), "loss": loss,
              "evaluate": split.evaluate(x, y, batch_size=batch, verbose=0),
-             "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
              "predict": split.predict(x, batch_size=batch, verbose=0).tolist(),
-             "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist(),
              "shards": {f"{s.name}/{role}": [[v.path, list(v.shape), [c.device for c in v.value.values]] for v in vs]
                         for s in plan.layers for role, vs in s.shards.items()},
              "replicated": {v.path: np.asarray(v.numpy()).tolist() for v in split.weights if "_shard_" not in v.path},
@@ -76,6 +73,17 @@ pair = tfdist.comm.new_group([0, 1])
 if pair.rank is not None:
     record["comm_pair_sum"] = float(tfdist.comm.all_reduce(tf.constant(rank + 1.0), group=pair).numpy())
 record["comm_world_sum"] = float(tfdist.comm.all_reduce(tf.constant(1.0)).numpy())
+# The one-device references, on the chief only and last: a model built on one rank alone shifts Keras' auto-names
+# of the models built after it, and Horovod names its collectives after graph tensors, so ranks building
+# different models before a collective could disagree. Every rank is compared with the chief's reference.
+for name, opt_name, optimizer in RUNS if rank == 0 else []:
+    tag = f"{name}-{opt_name}"
+    if tag in record:
+        reference, record[tag]["ref_loss"] = fit(name, optimizer, None)
+        x, y, batch = DATA[name]
+        record[tag].update({"reference": logical(reference),
+                            "ref_evaluate": reference.evaluate(x, y, batch_size=batch, verbose=0),
+                            "ref_predict": reference.predict(x, batch_size=batch, verbose=0).tolist()})
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print(f"rank {rank} done", flush=True)

@@ -2,13 +2,14 @@
 Horovod ranks (each rank whole rows).
 
 Usage (under `tfdist launch --backend horovod -n P --devices-per-worker M`):
-    python tensor_parallel_zero_horovod_job.py OUT ROWS STAGES [ADAM_JSON]
+    python tensor_parallel_zero_horovod_job.py OUT ROWS STAGES [VARIANTS_JSON]
 Global mesh ROWS x (P*M/ROWS) over `tfdist.cluster.list_devices()`; with several rows per rank each rank's rows are
 listed in reverse device order (row 0 of rank 0 on its last devices): the pieces must follow the mesh rows, not the
-device indices. Trains the MLP with Adam (12 steps) at each of STAGES (comma-separated) and once on one device;
-writes OUT/rank{r}.json with each stage's logical weights, the logical Adam state (gathered), this rank's slot
-pieces (shape, device, element count) and the groups' devices; every rank calls save_model (the chief writes
-OUT/stage{s}.keras).
+device indices. Trains the MLP with Adam (12 steps) at each of STAGES (comma-separated) and, on the chief, once on
+one device; writes OUT/rank{r}.json with each stage's logical weights, the logical Adam state (gathered), this
+rank's slot pieces (shape, device, element count) and the groups' devices; every rank calls save_model (the chief writes
+OUT/stage{s}.keras). VARIANTS_JSON names more Adam arguments, e.g. {"clipnorm": {"clipnorm": 0.05}}: each named
+variant also runs at every stage above 0 (recorded as "NAME:STAGE", its reference as "reference:NAME", not saved).
 """
 import contextlib
 import json
@@ -16,7 +17,7 @@ import os
 import sys
 
 out, rows, stages = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
-ADAM = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # more Adam arguments, e.g. {"global_clipnorm": 0.1}
+VARIANTS = {"": {}, **(json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})}  # name: more Adam arguments
 import tfdist
 import tp_models  # keras is imported inside its builders
 
@@ -43,11 +44,11 @@ rank = tfdist.cluster.rank(first)
 record = {"rank": rank, "backend": first.backend, "mesh_rows": first.mesh_rows}
 
 
-def fit(strategy):
+def fit(strategy, variant=""):
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:
         model = tp_models.mlp(seed=7)
-        model.compile(optimizer=keras.optimizers.Adam(0.01, **ADAM),
+        model.compile(optimizer=keras.optimizers.Adam(0.01, **VARIANTS[variant]),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)  # 12 steps
     return model
@@ -68,26 +69,32 @@ def adam_state(model) -> dict:
                 if len(v.shape)}
 
 
-reference = fit(None)
-record["reference"] = logical(reference)
-record["reference_adam"] = adam_state(reference)
-for stage in stages:
-    strategy = strategies[stage]
-    model = fit(strategy)
-    entry = {"weights": logical(model),
-             "wrote": tfdist.training.save_model(model, os.path.join(out, f"stage{stage}.keras"))}
-    engine = tfdist.zero.engine_of(model.optimizer)
-    if engine is not None:  # ZeRO: this rank's slot pieces and each group's local copies
-        entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
-        entry["groups"] = engine.group_devices
-        entry["shard_ids"] = [list(e.comm.shard_ids) for e in engine.engines]
-    # elements of optimizer state: ZeRO's pieces on this rank; stage 0 one copy per local row of each slot
-    entry["state_elements"] = (sum(int(np.prod(v.shape)) for v in engine.state_variables if len(v.shape))
-                               if engine is not None else
-                               sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
-                               * len(strategy.mesh_rows))
-    entry["adam"] = adam_state(model)
-    record[stage] = entry
+for variant in VARIANTS:
+    for stage in stages if not variant else [s for s in stages if s]:
+        strategy = strategies[stage]
+        model = fit(strategy, variant)
+        entry = {"weights": logical(model)}
+        if not variant:
+            entry["wrote"] = tfdist.training.save_model(model, os.path.join(out, f"stage{stage}.keras"))
+        engine = tfdist.zero.engine_of(model.optimizer)
+        if engine is not None:  # ZeRO: this rank's slot pieces and each group's local copies
+            entry["pieces"] = [[list(v.shape), v.value.device] for v in engine.state_variables if len(v.shape)]
+            entry["groups"] = engine.group_devices
+            entry["shard_ids"] = [list(e.comm.shard_ids) for e in engine.engines]
+        # elements of optimizer state: ZeRO's pieces on this rank; stage 0 one copy per local row of each slot
+        entry["state_elements"] = (sum(int(np.prod(v.shape)) for v in engine.state_variables if len(v.shape))
+                                   if engine is not None else
+                                   sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
+                                   * len(strategy.mesh_rows))
+        entry["adam"] = adam_state(model)
+        record[f"{variant}:{stage}" if variant else stage] = entry
+# The one-device references, on the chief only and last (a model built on one rank alone shifts the Keras auto-names
+# of later models, and Horovod names its collectives after graph tensors); every rank is compared with them.
+for variant in VARIANTS if rank == 0 else []:
+    reference = fit(None, variant)
+    record[f"reference:{variant}" if variant else "reference"] = logical(reference)
+    if not variant:
+        record["reference_adam"] = adam_state(reference)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 print(f"rank {rank} done", flush=True)

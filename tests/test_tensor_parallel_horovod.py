@@ -32,6 +32,7 @@ from tp_models import assert_equals_one_device, run_under_mpirun
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tensor_parallel_horovod_job.py")
 TAGS = ("mlp-sgd", "mlp-adam", "transformer-adam")
+CLIP_TAGS = ("mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm", "mlp-sgd-ema")
 LOCAL = "/job:localhost/replica:0/task:0/device:CPU:{}"
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ["PYTHONPATH"]])}
 
@@ -47,12 +48,24 @@ def run_job(out, ranks: int, devices: int, rows: int, plain_keras, tags=TAGS):
     return records, plain_keras(out / "mlp.keras")
 
 
+_LAUNCHED: dict = {}
+
+
+def launched(rows: int, devices: int, tmp_path_factory, plain_keras):
+    """One launch on 2 ranks per mesh, shared by every test that reads it: a mesh with the model axis across the
+    ranks (one row) also runs the clipping and EMA tags."""
+    if (rows, devices) not in _LAUNCHED:
+        tags = TAGS + CLIP_TAGS if rows == 1 else TAGS
+        _LAUNCHED[rows, devices] = run_job(tmp_path_factory.mktemp(f"tp_hvd_{rows}x{devices}"), 2, devices, rows,
+                                           plain_keras, tags)
+    return _LAUNCHED[rows, devices]
+
+
 @pytest.fixture(scope="module", params=[(2, 2), (1, 1), (1, 2)],
                 ids=["2x2-mesh2x2-batch", "2x1-mesh1x2-model", "2x2-mesh1x4-model"])
 def job(request, tmp_path_factory, plain_keras):
     rows, devices = request.param
-    return (rows, devices), *run_job(tmp_path_factory.mktemp(f"tp_hvd_{rows}x{devices}"), 2, devices, rows,
-                                     plain_keras)
+    return (rows, devices), *launched(rows, devices, tmp_path_factory, plain_keras)
 
 
 def arrays(weights: dict) -> dict:
@@ -166,18 +179,11 @@ def test_two_rows_of_two_ranks_use_a_process_set_per_row_and_per_place(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2], ids=["2x1-mesh1x2", "2x2-mesh1x4"])
-def test_clipping_and_ema_with_a_row_across_ranks_equal_one_device(tmp_path, devices):
+def test_clipping_and_ema_with_a_row_across_ranks_equal_one_device(devices, tmp_path_factory, plain_keras):
     """clipnorm / global_clipnorm (clipping all 12 steps) with the model axis across the ranks: each rank's shards'
     squares summed over the row's process set, replicated variables once; and Keras' EMA."""
-    from tfdist.cluster.launcher import launch
-
-    tags = ("mlp-sgd-clipnorm", "mlp-sgd-globalclipnorm", "mlp-sgd-ema")
-    log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(tmp_path), "1", ",".join(tags)], 2, backend="horovod",
-                devices_per_worker=devices, env=ENV, out=log, timeout_s=400)
-    assert rc == 0, log.getvalue()[-4000:]
-    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    for tag in tags:
+    records, _ = launched(1, devices, tmp_path_factory, plain_keras)
+    for tag in CLIP_TAGS:
         assert_equals_one_device(tag, arrays(records[0][tag]["weights"]), arrays(records[0][tag]["reference"]),
                                  arrays(records[1][tag]["weights"]))
         assert records[0][tag]["loss"] == records[1][tag]["loss"], tag

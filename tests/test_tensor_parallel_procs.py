@@ -1,14 +1,14 @@
-"""ModelParallelStrategy with the mesh's batch axis across processes (issue 14: "two workers x 2 devices").
+"""ModelParallelStrategy with the mesh's batch axis across processes (two workers x 2 devices).
 
 One real launch (2 processes x 2 logical CPUs on loopback, global mesh 2 x 2: "batch" across the processes, "model"
 inside each; tests/tensor_parallel_procs_job.py) checks `fit` of the MLP (SGD and Adam; Adam with Keras' EMA, SGD
 with global_clipnorm), the Transformer block (Adam) and the example CNN against one device on the same global
 batches, identical workers, evaluate/predict, the chief's `.keras` file in plain Keras, and where the shards live.
-A second (2 processes x 4 devices, mesh 4 x 2: two rows per process) checks the local-then-global sum and ZeRO
-stages 1 and 2 against stage 0 and one device. A third (2 processes x 2 devices, mesh 2 x 2) checks ZeRO stage 3 over
-the batch axis across the processes (MLP and Transformer block, Adam, 20 steps) against stage 0 and one device, the
-parameter pieces each process holds, and the chief's `.keras` file. The bad meshes are refused before anything
-starts, so those tests need no launch.
+The same launch checks ZeRO stage 3 over the batch axis across the processes (MLP and Transformer block, Adam, 20
+steps) against stage 0 and one device, the parameter pieces each process holds and the chief's `.keras` file, and
+clipping by the logical norms. A second (2 processes x 4 devices, mesh 4 x 2: two rows per process) checks the
+local-then-global sum and ZeRO stages 1 and 2 against stage 0 and one device. The bad meshes are refused before
+anything starts, so those tests need no launch.
 """
 
 from __future__ import annotations
@@ -34,17 +34,27 @@ ROW_TAGS = ("mlp-sgd", "mlp-adam", "mlp-adam-zero1", "mlp-adam-zero2",  # 2 proc
             "mlp-adam20-zero3")
 ZERO3_MODELS = ("mlp", "transformer")  # 2 processes x 2 devices, mesh 2 x 2, Adam, 20 steps: stage 0 and stage 3
 
+# clipnorm on split variables at stages 0, 2 and 3 and global_clipnorm at stage 3, 20 SGD steps
+CLIP_TAGS = ("mlp-sgd20-clipnorm", "mlp-sgd20-clipnorm-zero2", "mlp-sgd20-clipnorm-zero3", "mlp-sgd20-clip-zero3")
+
+
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, plain_keras):
+def mesh_2x2(tmp_path_factory):
+    """2 processes x 2 devices, mesh 2 x 2 (one row per process): one launch for every run on this mesh, the
+    stage-0 runs, ZeRO-3 (the MLP and the Transformer block with Adam for 20 steps at zero_stage=0 and 3, each
+    ZeRO-3 model saved by `tfdist.training.save_model` on both processes) and the clipping runs."""
     out = tmp_path_factory.mktemp("tp_procs")
+    tags = [*TAGS, *(f"{m}-adam20{z}" for m in ZERO3_MODELS for z in ("", "-zero3")), *CLIP_TAGS]
     log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(out)], 2, devices_per_worker=2, out=log, timeout_s=300,
-                env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    rc = launch([sys.executable, JOB, str(out), "2", ",".join(tags)], 2, devices_per_worker=2, out=log,
+                timeout_s=600, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, log.getvalue()[-4000:]
-    records = []
-    for rank in (0, 1):
-        with open(out / f"rank{rank}.json") as f:
-            records.append(json.load(f))
+    return out, [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def job(mesh_2x2, plain_keras):
+    out, records = mesh_2x2
     return records, by_slot_name(plain_keras(out / "mlp.keras"))
 
 
@@ -107,17 +117,21 @@ def by_slot_name(plain: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def zero3_job(tmp_path_factory, plain_keras):
-    """2 processes x 2 devices, mesh 2 x 2 (one row per process): the MLP and the Transformer block with Adam for 20
-    steps at zero_stage=0 and 3; each ZeRO-3 model saved by `tfdist.training.save_model` on both processes."""
-    out = tmp_path_factory.mktemp("tp_zero3")
-    log = io.StringIO()
-    tags = [f"{m}-adam20{z}" for m in ZERO3_MODELS for z in ("", "-zero3")]
-    rc = launch([sys.executable, JOB, str(out), "2", ",".join(tags)], 2, devices_per_worker=2, out=log,
-                timeout_s=400, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert rc == 0, log.getvalue()[-4000:]
-    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+def zero3_job(mesh_2x2, plain_keras):
+    out, records = mesh_2x2
     return records, {m: by_slot_name(plain_keras(out / f"{m}-zero3.keras")) for m in ZERO3_MODELS}
+
+
+@pytest.mark.slow
+def test_clipping_across_two_processes_equals_one_device_and_processes_stay_identical(mesh_2x2):
+    """Clipping by the norms one device takes (tests/test_tensor_parallel_clip.py in one process), across 2 processes
+    x 2 devices with the batch axis across the processes."""
+    _, records = mesh_2x2
+    for tag in CLIP_TAGS:
+        got = {k: np.asarray(v, "float32") for k, v in records[0][tag]["weights"].items()}
+        other = {k: np.asarray(v, "float32") for k, v in records[1][tag]["weights"].items()}
+        ref = {k: np.asarray(v, "float32") for k, v in records[0][tag]["reference"].items()}
+        assert_equals_one_device(tag.replace("sgd20", "sgd"), got, ref, other)
 
 
 @pytest.mark.slow

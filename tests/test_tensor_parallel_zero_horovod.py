@@ -34,12 +34,17 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
 STAGES = (0, 1, 2, 3)
 
 
-def run_job(out, devices: int, rows: int, plain_keras):
+# Each group's norms are summed over the ranks (hvd.allreduce); these clips move one device's weights by 0.53
+# (global_clipnorm) and 0.66 (clipnorm) relative, so an unclipped or per-rank-clipped update cannot pass.
+CLIPS = {"global_clipnorm": {"global_clipnorm": 0.1}, "clipnorm": {"clipnorm": 0.05}}
+
+
+def run_job(out, devices: int, rows: int, plain_keras, variants: dict | None = None):
     from tfdist.cluster.launcher import launch
 
     log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(out), str(rows), ",".join(map(str, STAGES))], 2, backend="horovod",
-                devices_per_worker=devices, env=ENV, out=log, timeout_s=400)
+    rc = launch([sys.executable, JOB, str(out), str(rows), ",".join(map(str, STAGES)), json.dumps(variants or {})],
+                2, backend="horovod", devices_per_worker=devices, env=ENV, out=log, timeout_s=400)
     assert rc == 0, log.getvalue()[-4000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     files = {}
@@ -50,10 +55,22 @@ def run_job(out, devices: int, rows: int, plain_keras):
     return records, files
 
 
+_LAUNCHED: dict = {}
+
+
+def launched(devices: int, rows: int, tmp_path_factory, plain_keras):
+    """One launch on 2 ranks per mesh, shared by every test that reads it; the 2 x 2 mesh also runs the clipped
+    Adam variants at stages 1-3."""
+    if (devices, rows) not in _LAUNCHED:
+        _LAUNCHED[devices, rows] = run_job(tmp_path_factory.mktemp(f"tp_zero_hvd_{rows}"), devices, rows, plain_keras,
+                                           CLIPS if (devices, rows) == (2, 2) else None)
+    return _LAUNCHED[devices, rows]
+
+
 @pytest.fixture(scope="module", params=[(2, 2), (4, 4)], ids=["2x2-mesh2x2", "2x4-mesh4x2-rows-against-devices"])
 def job(request, tmp_path_factory, plain_keras):
     devices, rows = request.param
-    return rows, *run_job(tmp_path_factory.mktemp(f"tp_zero_hvd_{rows}"), devices, rows, plain_keras)
+    return rows, *launched(devices, rows, tmp_path_factory, plain_keras)
 
 
 def arrays(values: dict) -> dict:
@@ -148,19 +165,12 @@ def test_zero_over_horovod_under_mpirun_equals_stage_0(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("clip", [{"global_clipnorm": 0.1}, {"clipnorm": 0.05}], ids=["global_clipnorm", "clipnorm"])
-def test_zero_over_horovod_clips_the_summed_gradient_as_one_device(tmp_path, clip):
-    # Each group's norms are summed over the ranks (hvd.allreduce); these clips move one device's weights by 0.53
-    # (global_clipnorm) and 0.66 (clipnorm) relative, so an unclipped or per-rank-clipped update cannot pass.
-    from tfdist.cluster.launcher import launch
-
-    log = io.StringIO()
-    rc = launch([sys.executable, JOB, str(tmp_path), "2", "1,2,3", json.dumps(clip)], 2, backend="horovod",
-                devices_per_worker=2, env=ENV, out=log, timeout_s=400)
-    assert rc == 0, log.getvalue()[-4000:]
-    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    ref = arrays(records[0]["reference"])
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_zero_over_horovod_clips_the_summed_gradient_as_one_device(clip, tmp_path_factory, plain_keras):
+    records, _ = launched(2, 2, tmp_path_factory, plain_keras)
+    ref = arrays(records[0][f"reference:{clip}"])
     for stage in ("1", "2", "3"):
-        assert_equals_one_device(f"zero{stage}-adam-{clip}", arrays(records[0][stage]["weights"]), ref,
-                                 arrays(records[1][stage]["weights"]))
-        assert records[0][stage]["adam"] == records[1][stage]["adam"], stage
+        got, other = records[0][f"{clip}:{stage}"], records[1][f"{clip}:{stage}"]
+        assert_equals_one_device(f"zero{stage}-adam-{CLIPS[clip]}", arrays(got["weights"]), ref,
+                                 arrays(other["weights"]))
+        assert got["adam"] == other["adam"], stage
