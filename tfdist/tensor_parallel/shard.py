@@ -137,7 +137,7 @@ def shard_model(strategy: tf.distribute.Strategy, model: keras.Model, layout_map
     span = span_of(grid[0])
     if span is not None:
         _gather_only_where_read(model, everything)
-    _keep_logical_weights([model, *everything])
+    _keep_logical_weights([model, *everything], plan_layers)
     return ShardPlan(model.name, [list(r) for r in grid], plan_layers, *_bytes(model, grid), span=span)
 
 
@@ -233,7 +233,7 @@ def _keep_logical_saving(layer, logical: list) -> None:
     tp_compat.bind_method(layer, "load_own_variables", load_own_variables)
 
 
-def logical_weights(obj) -> list:
+def _logical_weights(obj) -> list:
     """`obj.weights` as plain Keras lists them: each split variable's shards give way, at the first shard, to the
     logical variable they stand for (full shape; reads gather the shards, writes split the value over them)."""
     inner = [obj, *keras_model.all_layers(obj)] if isinstance(obj, keras.layers.Layer) else [obj]
@@ -248,16 +248,16 @@ def logical_weights(obj) -> list:
     return found
 
 
-def _keep_logical_weights(layers: list) -> None:
+def _keep_logical_weights(layers: list, splits: list[SplitLayer]) -> None:
     """`get_weights`/`set_weights` of the model and of every layer holding shards work on the logical variables,
     as in plain Keras (weights copied between models, or from a checkpoint made without the mesh, keep their
     shapes). `model.weights` keeps the shards: the optimizer and the gradients are per shard."""
 
     def get_weights(self):
-        return [np.asarray(variable.numpy()) for variable in logical_weights(self)]
+        return [np.asarray(variable.numpy()) for variable in _logical_weights(self)]
 
     def set_weights(self, weights):
-        variables = logical_weights(self)
+        variables = _logical_weights(self)
         if len(variables) != len(weights):  # Keras' own checks and messages (keras/src/layers/layer.py)
             raise ValueError(f"You called `set_weights(weights)` on layer '{self.name}' with a weight list of length "
                              f"{len(weights)}, but the layer was expecting {len(variables)} weights.")
@@ -268,7 +268,7 @@ def _keep_logical_weights(layers: list) -> None:
         for variable, value in zip(variables, weights):
             variable.assign(value)
 
-    shard_ids = {id(shard) for split in _split_layers.values() for shards in split.shards.values() for shard in shards}
+    shard_ids = {id(shard) for split in splits for shards in split.shards.values() for shard in shards}
     for layer in layers:
         if any(id(variable) in shard_ids for variable in layer.weights):
             tp_compat.bind_method(layer, "get_weights", get_weights)
