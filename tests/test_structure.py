@@ -33,6 +33,7 @@ LAYERS = {
     "tfdist.parameter_server": BASE | {"tfdist.cluster"},
     "tfdist.strategies": BASE | {"tfdist.cluster", "tfdist.data_parallel", "tfdist.zero", "tfdist.pipeline",
                                  "tfdist.tensor_parallel", "tfdist.parameter_server", "tfdist.training"},
+    "tfdist.keras_distribution": BASE | {"tfdist.cluster", "tfdist.strategies"},
     "tfdist.plots": set(),
 }
 CAPABILITIES = ("tfdist.data_parallel", "tfdist.zero", "tfdist.pipeline", "tfdist.tensor_parallel",

@@ -26,7 +26,9 @@ version check runs before them):
 - `tensor_parallel._keras_layers`, `tensor_parallel._tf_rows`: per-instance layer methods and logical views,
   and a mesh whose rows live in several processes;
 - `parameter_server._tf_sharded`, `parameter_server._shard_init`, `parameter_server._shard_updates`: variables
-  sharded over parameter servers, created and updated shard by shard on their servers.
+  sharded over parameter servers, created and updated shard by shard on their servers;
+- `keras_distribution._keras_api`: Keras' `set_distribution` handed to tfdist and the TensorFlow backend's missing
+  `initialize`/`num_processes`/`process_id`, once `tfdist.enable_keras_distribution()` is called.
 
 Nothing outside `tfdist` should import these. `tests/test_structure.py` checks that no other tfdist module
 imports `tensorflow.python`/`keras.src`, reads another object's private attribute, or overrides a
