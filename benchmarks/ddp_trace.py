@@ -16,7 +16,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-__all__ = ["DeviceOverlap", "collective_kind", "overlap_by_step", "profile", "read_space"]
+__all__ = ["DeviceOverlap", "collective_kind", "free_to_overlap", "overlap_by_step", "profile", "read_space"]
 
 _COLLECTIVE_TYPES = ("CollectiveReduceV2", "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather")
 
@@ -185,6 +185,41 @@ def overlap_by_step(space, device_of: dict[str, set[str]], scope: str | None = N
         if per:
             steps.append(per)
     return steps
+
+
+def free_to_overlap(partitions: list, scope: str) -> dict[str, bool]:
+    """Per device, from the graphs TF executed (tf_runtime.executed_partition_graphs): whether one of its gradient
+    collectives (under name scope `scope`) is free to run during its backward, i.e. some backward op is neither
+    an input of that collective (directly or through others) nor fed by it. With one pack of all gradients no
+    collective is; with buckets the first bucket's is. Unlike a profile, this does not depend on how the
+    threads happened to be scheduled."""
+    found: dict[str, bool] = {}
+    for partition in partitions:
+        inputs = {node.name: [i.lstrip("^").split(":")[0] for i in node.input] for node in partition.node}
+        ops = {node.name: node.op for node in partition.node}
+        backward = {name for name in inputs if "gradient_tape/" in name}
+        collectives = [name for name in inputs if collective_kind(ops[name]) and f"/{scope}/" in f"/{name}/"]
+        if not backward or not collectives:
+            continue
+        device = partition.node[0].device
+        free = False
+        for collective in collectives:
+            before = _reachable(collective, inputs)
+            after = {name for name in inputs if collective in _reachable(name, inputs)}
+            free |= bool(backward - before - after)
+        found[device] = found.get(device, False) or free
+    return found
+
+
+def _reachable(start: str, inputs: dict[str, list[str]]) -> set[str]:
+    """Every node `start` depends on, through data and control inputs."""
+    seen, stack = set(), list(inputs.get(start, ()))
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(inputs.get(name, ()))
+    return seen
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -29,11 +29,12 @@ x = rng.normal(size=(256, 8, 8, 1)).astype("float32")
 y = (x.reshape(256, -1)[:, :8].sum(1) > 0).astype("int32")
 
 
-def train() -> tuple[list[float], list[list[bool]]]:
-    """Two epochs (the first while TF records where each node runs, the second under TF's profiler on rank 0): the
-    final weights, and per profiled step and local device whether a collective ran during that device's backward."""
-    from tfdist._compat.tf_runtime import executed_partition_devices
-    from benchmarks.ddp_trace import overlap_by_step, profile
+def train() -> tuple[list[float], list[list[bool]], dict[str, bool]]:
+    """Two epochs (the first while TF records the graphs it runs, the second under TF's profiler on rank 0): the
+    final weights, per profiled step and local device whether a collective ran during that device's backward, and
+    per device whether a gradient collective is free to run during it (from the executed graphs)."""
+    from tfdist._compat.tf_runtime import executed_partition_graphs, partition_devices
+    from benchmarks.ddp_trace import free_to_overlap, overlap_by_step, profile
 
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -41,21 +42,22 @@ def train() -> tuple[list[float], list[list[bool]]]:
     with strategy.scope():
         model = tfdist.models.cnn(input_shape=(8, 8, 1), num_classes=2)
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
-    device_of = executed_partition_devices(lambda: model.fit(data, epochs=1, verbose=0))
+    partitions = executed_partition_graphs(lambda: model.fit(data, epochs=1, verbose=0))
+    device_of, free = partition_devices(partitions), free_to_overlap(partitions, model.optimizer.name)
     if rank != 0:  # only the collective group leader is profiled (benchmarks.ddp_trace.profile)
         model.fit(data, epochs=1, verbose=0)
-        return np.concatenate([w.ravel() for w in model.get_weights()]).tolist(), []
+        return np.concatenate([w.ravel() for w in model.get_weights()]).tolist(), [], free
     # Steps 1-3 of the 4 each rank runs (Keras counts 8: it sees the dataset before it is split between ranks).
     trace = profile(lambda callbacks: model.fit(data, epochs=1, verbose=0, callbacks=callbacks), steps=3)
     steps = overlap_by_step(trace, device_of, model.optimizer.name)
     overlaps = [[d.overlaps and d.hidden_ms > 0 for d in step.values()] for step in steps]
-    return np.concatenate([w.ravel() for w in model.get_weights()]).tolist(), overlaps
+    return np.concatenate([w.ravel() for w in model.get_weights()]).tolist(), overlaps, free
 
 
 record = {}
-record["plain"], record["plain_overlaps"] = train()
+record["plain"], record["plain_overlaps"], record["plain_free"] = train()
 strategy.set_bucket_cap(0.002)
-record["bucketed"], record["bucketed_overlaps"] = train()
+record["bucketed"], record["bucketed_overlaps"], record["bucketed_free"] = train()
 record["buckets"] = len(strategy.gradient_path.buckets)
 
 
@@ -81,7 +83,7 @@ def uneven() -> dict:
 
 record["uneven"] = uneven()
 strategy.register_comm_hook("fp16")
-record["fp16"], _ = train()
+record["fp16"], *_ = train()
 record["fp16_wire_bytes"] = strategy.gradient_path.wire_bytes
 record["fp16_gradient_bytes"] = strategy.gradient_path.gradient_bytes
 with open(f"{out}.{rank}", "w") as f:

@@ -13,7 +13,8 @@ from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.training.saving import saveable_object as _saveable_object
 
 __all__ = ["SavedTensor", "add_control_inputs", "call_time_value", "configure_coordination", "context_initialized",
-           "dataset_batch_size", "executed_partition_devices", "outside_any_strategy", "xspace_proto"]
+           "dataset_batch_size", "executed_partition_devices", "executed_partition_graphs", "outside_any_strategy",
+           "partition_devices", "xspace_proto"]
 
 T = TypeVar("T")
 
@@ -138,10 +139,9 @@ def dataset_batch_size(dataset) -> int | None:
     return None
 
 
-def executed_partition_devices(fn: Callable[[], object]) -> dict[str, set[str]]:
-    """Runs `fn()` once with TF's run-metadata collection on, and returns node name -> devices of
-    every node in the partition graphs TF actually executed (after placement; a name used in
-    several functions can map to several devices).
+def executed_partition_graphs(fn: Callable[[], object]) -> list:
+    """Runs `fn()` once with TF's run-metadata collection on, and returns the partition graphs (GraphDefs, one per
+    function and device, after placement) TF actually executed.
 
     Only functions instantiated while collecting are reported: call it on the first run of a
     tf.function (or after its first trace)."""
@@ -151,11 +151,20 @@ def executed_partition_devices(fn: Callable[[], object]) -> dict[str, set[str]]:
         metadata = _eager_context.export_run_metadata()
     finally:
         _eager_context.disable_run_metadata()
+    return [partition for graphs in metadata.function_graphs for partition in graphs.partition_graphs]
+
+
+def executed_partition_devices(fn: Callable[[], object]) -> dict[str, set[str]]:
+    """Runs `fn()` once (as `executed_partition_graphs`) and returns node name -> devices of every node TF executed
+    (a name used in several functions can map to several devices)."""
+    return partition_devices(executed_partition_graphs(fn))
+
+
+def partition_devices(partitions: list) -> dict[str, set[str]]:
     devices: dict[str, set[str]] = {}
-    for graphs in metadata.function_graphs:
-        for partition in graphs.partition_graphs:
-            for node in partition.node:
-                devices.setdefault(node.name, set()).add(node.device)
+    for partition in partitions:
+        for node in partition.node:
+            devices.setdefault(node.name, set()).add(node.device)
     return devices
 
 
