@@ -27,8 +27,9 @@ APT_PACKAGES += chromium
 # Horovod (built from source by `make horovod`): OpenMPI, and the compilers/headers its build needs.
 APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
 HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
+KERAS_HUB_STAMP := $(VENV)/.keras-hub
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod bench-allreduce bench-zero bench-zero-horovod api
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod keras-hub bench-allreduce bench-zero bench-zero-horovod api
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -51,6 +52,15 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[$(TF_EXTRA),examples,test]"
 	@rm -f $(VENV)/.installed-*; touch $@
+
+# KerasHub, for the tests on the models the Keras ecosystem ships. Its declared dependencies pull tensorflow-text
+# and with it a second, full TensorFlow next to tensorflow-cpu: it is installed without them, with what it imports.
+keras-hub: $(KERAS_HUB_STAMP)
+
+$(KERAS_HUB_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps keras-hub==0.32.0 regex tokenizers \
+	  sentencepiece
+	@touch $@
 
 system-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -75,7 +85,7 @@ demo: setup
 	$(BIN)/tfdist train --strategy mirrored --replicas 4 --epochs 5 --dataset mnist \
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
-test: setup system-deps horovod
+test: setup system-deps horovod keras-hub
 	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
 	  $(PYTEST_ARGS)
 

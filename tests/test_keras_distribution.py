@@ -5,6 +5,7 @@ Keras' API restored by `disable_keras_distribution`, and the bad inputs refused 
 from __future__ import annotations
 
 import json
+import os
 
 import keras
 import numpy as np
@@ -46,10 +47,10 @@ def one_device() -> list[np.ndarray]:
     return fit().get_weights()
 
 
-def assert_close(weights, reference, rtol=1e-5):
+def assert_close(weights, reference, rtol=1e-5, atol=1e-6):
     assert len(weights) == len(reference)
     for got, want in zip(weights, reference):
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 def test_plain_keras_on_tensorflow_ignores_a_distribution_until_enabled():
@@ -164,7 +165,7 @@ def test_initialize_names_every_process_and_its_devices(enabled, monkeypatch):
     monkeypatch.setattr(front, "_job", dict(front._job))
     monkeypatch.delenv("TF_CONFIG", raising=False)
     keras.distribution.initialize("localhost:1,localhost:2", 2, 1)
-    assert json.loads(__import__("os").environ["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+    assert json.loads(os.environ["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
     devices = keras.distribution.list_devices()
     assert devices[0] == "/job:worker/replica:0/task:0/device:CPU:0" and len(devices) == 8
     assert keras.distribution.get_device_count() == 8
@@ -172,7 +173,7 @@ def test_initialize_names_every_process_and_its_devices(enabled, monkeypatch):
     assert (distribution.num_processes, distribution._process_id) == (2, 1)
     data = distribution.distribute_dataset(tf.data.Dataset.range(16).batch(8))
     assert [int(v) for v in data.unbatch()] == [4, 5, 6, 7, 12, 13, 14, 15]  # Keras' own process sharding
-    monkeypatch.delenv("TF_CONFIG")
+    os.environ.pop("TF_CONFIG")  # initialize set it; monkeypatch then restores the state before the test
 
 
 def test_disable_restores_keras_as_shipped(enabled):
@@ -230,3 +231,55 @@ def test_model_parallel_across_two_processes_equals_one_device(one_device, tmp_p
     # auto_shard_dataset=False: each process gave its own half; the loss is still the global one
     assert [r["own_loss"] for r in records] == pytest.approx([records[0]["loss"]] * 2, rel=1e-5)
     assert_close([np.array(w) for w in plain_keras(tmp_path / "mlp.keras")["weight_list"]], one_device)
+
+
+# --- the models the Keras ecosystem ships: KerasHub decoders, built from their constructors (no download) --------
+HUB_CONFIGS = {"Llama": {}, "Gemma": {"head_dim": 4}}  # Qwen's layers are Llama's; Mistral ships no map
+
+
+def hub_lm(name: str):
+    """A tiny KerasHub decoder backbone and a causal LM over it whose logits reuse the token embedding (tied,
+    `ReversibleEmbedding(reverse=True)`)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(1)
+    backbone = getattr(keras_hub.models, f"{name}Backbone")(
+        vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16,
+        intermediate_dim=32, **HUB_CONFIGS[name])
+    ids = keras.Input((8,), dtype="int32", name="token_ids")
+    mask = keras.Input((8,), dtype="int32", name="padding_mask")
+    logits = backbone.token_embedding(backbone({"token_ids": ids, "padding_mask": mask}), reverse=True)
+    return keras.Model([ids, mask], logits), backbone
+
+
+def hub_fit(name: str) -> keras.Model:
+    rng = np.random.RandomState(0)
+    ids = rng.randint(1, 64, size=(32, 8)).astype("int32")
+    model, _ = hub_lm(name)
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit([ids, np.ones_like(ids)], rng.randint(0, 64, size=(32, 8)), batch_size=8, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(HUB_CONFIGS))
+def test_a_kerashub_decoder_trains_under_its_own_layout_map_as_on_one_device(name, enabled):
+    """The backbone's own `get_layout_map(mesh)` (attention with fewer key/value heads than query heads, gated
+    feed-forward, RMS norms, rotary positions, the tied embedding) on a 2 x 2 mesh. As shipped it also splits
+    weights over the batch axis, which ModelParallelStrategy refuses before a step; without those entries the split
+    model equals one device after 4 Adam steps."""
+    reference = hub_fit(name).get_weights()
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], keras.distribution.list_devices())
+    shipped = hub_lm(name)[1].get_layout_map(mesh)
+    assert any("batch" in shipped[key].axes for key in shipped)
+    with keras.distribution.ModelParallel(layout_map=shipped, batch_dim_name="batch").scope():
+        with pytest.raises(ConfigError, match=r"over the batch axis 'batch'"):
+            hub_fit(name)
+    model_axis_only = keras.distribution.LayoutMap(mesh)
+    for key in shipped:
+        model_axis_only[key] = tuple(None if axis == "batch" else axis for axis in shipped[key].axes)
+    with keras.distribution.ModelParallel(layout_map=model_axis_only, batch_dim_name="batch").scope():
+        model = hub_fit(name)
+        plan = model.distribute_strategy.shard_plan(model)
+    assert "reversible" in {split.kind for split in plan.layers} and len(plan.layers) >= 13
+    assert_close(model.get_weights(), reference, rtol=1e-4, atol=1e-5)
