@@ -8,10 +8,8 @@ import sys
 
 import pytest
 
-MIB = 2**20
-
-
 FREED_TEMPORARY = """
+from benchmarks.memory_phases import MemoryPhases, proc_status
 
 MIB = 2**20
 phases = MemoryPhases(device="no-such-device")
