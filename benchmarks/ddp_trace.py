@@ -196,29 +196,30 @@ def free_to_overlap(partitions: list, scope: str) -> dict[str, bool]:
     found: dict[str, bool] = {}
     for partition in partitions:
         inputs = {node.name: [i.lstrip("^").split(":")[0] for i in node.input] for node in partition.node}
+        consumers: dict[str, list[str]] = {}
+        for name, sources in inputs.items():
+            for source in sources:
+                consumers.setdefault(source, []).append(name)
         ops = {node.name: node.op for node in partition.node}
         backward = {name for name in inputs if "gradient_tape/" in name}
         collectives = [name for name in inputs if collective_kind(ops[name]) and f"/{scope}/" in f"/{name}/"]
         if not backward or not collectives:
             continue
         device = partition.node[0].device
-        free = False
-        for collective in collectives:
-            before = _reachable(collective, inputs)
-            after = {name for name in inputs if collective in _reachable(name, inputs)}
-            free |= bool(backward - before - after)
+        free = any(backward - _reachable(c, inputs) - _reachable(c, consumers) for c in collectives)
         found[device] = found.get(device, False) or free
     return found
 
 
-def _reachable(start: str, inputs: dict[str, list[str]]) -> set[str]:
-    """Every node `start` depends on, through data and control inputs."""
-    seen, stack = set(), list(inputs.get(start, ()))
+def _reachable(start: str, edges: dict[str, list[str]]) -> set[str]:
+    """Every node reachable from `start` along `edges` (its inputs: what it depends on; its consumers: what
+    depends on it), through data and control edges."""
+    seen, stack = set(), list(edges.get(start, ()))
     while stack:
         name = stack.pop()
         if name not in seen:
             seen.add(name)
-            stack.extend(inputs.get(name, ()))
+            stack.extend(edges.get(name, ()))
     return seen
 
 
