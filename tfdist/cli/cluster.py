@@ -1,4 +1,5 @@
-"""`tfdist cluster`: what this process would join — the SLURM step, TF_CONFIG, and auto_strategy's choice."""
+"""`tfdist cluster`: what this process would join — the SLURM step, TF_CONFIG, auto_strategy's choice — and the
+devices it would train on."""
 
 from __future__ import annotations
 
@@ -41,8 +42,33 @@ def run(args: argparse.Namespace) -> int:
         report["pmix_rank"] = os.environ["PMIX_RANK"]
     if decision.tf_config:
         report["tf_config"] = decision.tf_config
+    report["devices"] = devices_report()
     print(json.dumps(report, indent=2))
-    return 0
+    return 2 if "error" in report["devices"] else 0
+
+
+def devices_report(environ=None) -> dict:
+    """This process's place on its machine and the devices the multi-process strategies would give it, read
+    from the launcher's environment and the GPUs the machine shows, without starting TensorFlow."""
+    from tfdist.cluster.local_gpus import visible_gpus
+    from tfdist.comm.launch_env import local_device_count, local_process
+    from tfdist.devices import gpu_share
+    from tfdist.errors import ConfigError
+
+    env = os.environ if environ is None else environ
+    local, count, gpus = local_process(env), local_device_count(env), visible_gpus(env)
+    out = {"local_rank": local.local_rank, "local_size": local.local_size, "own_devices": local.own_devices,
+           "visible_gpus": gpus}
+    if not gpus:
+        out["trains_on"] = f"{count or 1} logical CPU(s)"
+        return out
+    try:
+        share = gpu_share(count, len(gpus), local)
+    except ConfigError as err:
+        out["error"] = str(err)
+        return out
+    out["trains_on"] = [f"GPU {gpus[i]}" for i in share]
+    return out
 
 
 def _resolve(host: str) -> str | None:

@@ -18,6 +18,7 @@ from typing import Protocol, TextIO
 from tfdist.cluster.backends import ps_job_tasks
 from tfdist.cluster.elastic import run_with_restarts
 from tfdist.cluster.emulated_network import EmulatedNetwork, parse_rate
+from tfdist.cluster.local_gpus import per_process_env, visible_gpus
 from tfdist.cluster.private_net import private_network
 from tfdist.cluster.processes import start_process, stop_processes
 from tfdist.cluster.ps_supervisor import supervise_ps, task_label
@@ -133,6 +134,9 @@ def launch(
         _check_supports_ps(backend)
     if link_rate is not None:
         _check_link_rate(backend, ps, link_rate)
+    # Each worker's local rank and, on a GPU machine, its own GPUs (a parameter-server job keeps TF's placement).
+    gpus = visible_gpus({**os.environ, **(env or {})}) if ps is None else []
+    local = per_process_env(n, devices_per_worker, gpus)  # too few GPUs: refused before anything starts
     say = _line_writer(out or sys.stdout)
     readers: list[threading.Thread] = []
     with _network(backend, network, say, link_rate, n) as (prefix, nodes):
@@ -146,10 +150,11 @@ def launch(
 
         def environments():
             if nodes is None:
-                return backend.environments(n, devices_per_worker)
+                return _merged(backend.environments(n, devices_per_worker), local)
             if _name(backend) in ON_NODES and not getattr(backend, "supports_hosts", False):
-                return _on_nodes(_name(backend), nodes).environments(n, devices_per_worker)
-            return backend.environments(n, devices_per_worker, hosts=[nodes.address(i) for i in range(n)])
+                return _merged(_on_nodes(_name(backend), nodes).environments(n, devices_per_worker), local)
+            return _merged(backend.environments(n, devices_per_worker, hosts=[nodes.address(i) for i in range(n)]),
+                           local)
 
         try:
             if ps is None:
@@ -161,6 +166,13 @@ def launch(
         finally:
             for t in readers:
                 t.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _merged(environments: AbstractContextManager[list[dict[str, str]]],
+            extra: list[dict[str, str]]) -> Iterator[list[dict[str, str]]]:
+    with environments as envs:
+        yield [{**e, **x} for e, x in zip(envs, extra)]
 
 
 def _launch_ps(backend: LaunchBackend, n: int, ps: int, devices_per_worker: int,

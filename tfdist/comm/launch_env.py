@@ -17,10 +17,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tfdist.devices import LocalProcess
 from tfdist.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "RANK_ENV", "ROLE_ENV", "Launcher", "launched_by", "launcher_of",
-           "local_device_count", "srun_step_tasks"]
+__all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "LOCAL_RANK_ENV", "LOCAL_SIZE_ENV", "OWN_DEVICES_ENV", "RANK_ENV",
+           "ROLE_ENV", "Launcher", "launched_by", "launcher_of", "local_device_count", "local_process",
+           "srun_step_tasks"]
 
 # `tfdist launch` tells each worker how many local devices (replicas) to use with this variable.
 LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
@@ -28,6 +30,10 @@ LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
 RANK_ENV = "TFDIST_RANK"
 # ... and, in a --ps job only, its TF task type: 'chief', 'worker' or 'ps'.
 ROLE_ENV = "TFDIST_ROLE"
+# Its place among the job's processes on this machine ...
+LOCAL_RANK_ENV, LOCAL_SIZE_ENV = "TFDIST_LOCAL_RANK", "TFDIST_LOCAL_SIZE"
+# ... and "1" when the launcher narrowed CUDA_VISIBLE_DEVICES to this process's own GPUs.
+OWN_DEVICES_ENV = "TFDIST_OWN_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Launcher:
     rank_var: str
     size_var: str | None
     local_rank_var: str | None
+    local_size_var: str | None
     mpi_world: bool               # its processes form a Horovod/MPI world (HorovodStrategy's launchers)
     description: str              # how a user would have started it
 
@@ -45,16 +52,16 @@ class Launcher:
 # In order of precedence: Horovod's own variables first (horovodrun also sets OpenMPI's under --mpi),
 # then the MPI implementations, PMIx (srun --mpi=pmix), SLURM's task id, and `tfdist launch`.
 LAUNCHERS: tuple[Launcher, ...] = (
-    Launcher("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", True,
+    Launcher("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", True,
              "horovodrun --gloo / tfdist launch --backend horovod"),
-    Launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", True,
-             "mpirun (OpenMPI) / horovodrun --mpi"),
-    Launcher("srun", "PMIX_RANK", None, None, True, "srun --mpi=pmix"),
-    Launcher("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", True, "mpirun (MPICH) / srun"),
-    Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", True,
-             "mpirun (MVAPICH)"),
-    Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", False, "srun"),
-    Launcher("tfdist launch", RANK_ENV, None, None, False, "tfdist launch"),
+    Launcher("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", True, "mpirun (OpenMPI) / horovodrun --mpi"),
+    Launcher("srun", "PMIX_RANK", None, None, None, True, "srun --mpi=pmix"),
+    Launcher("mpirun", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", True, "mpirun (MPICH) / srun"),
+    Launcher("mpirun", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+             "MV2_COMM_WORLD_LOCAL_SIZE", True, "mpirun (MVAPICH)"),
+    Launcher("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, False, "srun"),
+    Launcher("tfdist launch", RANK_ENV, None, LOCAL_RANK_ENV, LOCAL_SIZE_ENV, False, "tfdist launch"),
 )
 
 
@@ -103,3 +110,58 @@ def srun_step_tasks(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     raw = env.get("SLURM_STEP_NUM_TASKS", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+def local_process(environ: Mapping[str, str] | None = None) -> LocalProcess:
+    """This process's place on its machine, from what its launcher set: the local rank and size of the first
+    launcher that names them (`tfdist launch` first, since it starts its processes itself, then LAUNCHERS order),
+    and whether its GPUs were already narrowed to its own.
+
+    SLURM gives the tasks of the step on this node (SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID) and binds GPUs per
+    task under `--gpus-per-task`. A TF_CONFIG with no launcher behind it (a cluster manager's) is one process
+    per machine. Malformed values are a ConfigError naming the variable.
+
+    Example:
+        >>> local_process({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        ...                "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+        LocalProcess(local_rank=1, local_size=2, own_devices=False)
+    """
+    env = os.environ if environ is None else environ
+    own = env.get(OWN_DEVICES_ENV, "").strip() == "1" or bool(env.get("SLURM_GPUS_PER_TASK", "").strip())
+    innermost_first = sorted(LAUNCHERS, key=lambda launcher: launcher.kind != "tfdist launch")  # it starts its own
+    for launcher in innermost_first:
+        if launcher.local_rank_var is None or not env.get(launcher.local_rank_var, "").strip():
+            continue
+        rank = _whole(env, launcher.local_rank_var, minimum=0)
+        size = _whole(env, launcher.local_size_var, minimum=1) if env.get(launcher.local_size_var or "") else None
+        if size is None and launcher.kind == "srun":
+            size = _slurm_tasks_on_this_node(env)
+        if size is not None and rank >= size:
+            of = launcher.local_size_var or "the step's tasks on this node"
+            raise ConfigError(f"{launcher.local_rank_var}={rank} is not below {of}={size}: the launcher's environment "
+                              "is inconsistent.")
+        return LocalProcess(rank, size, own)
+    return LocalProcess(0, 1, own)
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
+    """The step's tasks on this node: SLURM_STEP_TASKS_PER_NODE ('2(x3),1') at SLURM_NODEID, where both are set."""
+    raw, node = env.get("SLURM_STEP_TASKS_PER_NODE", "").strip(), env.get("SLURM_NODEID", "").strip()
+    counts: list[int] = []
+    for part in raw.split(",") if raw else []:
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={raw!r} is not of the form '2(x3),1'.")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if not counts:
+        return None
+    if len(set(counts)) == 1:
+        return counts[0]
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
+def _whole(env: Mapping[str, str], name: str, *, minimum: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ConfigError(f"{name} must be a whole number >= {minimum}, got {raw!r}.")
+    return int(raw)

@@ -17,12 +17,12 @@ from tfdist.comm.horovod import (
     init_horovod,
 )
 from tfdist.comm.horovod_group import HorovodGroup
-from tfdist.comm.launch_env import launched_by, local_device_count
+from tfdist.comm.launch_env import launched_by, local_device_count, local_process
 from tfdist.data_parallel._fused_flags import with_step_flags
 from tfdist.data_parallel._grad_path import with_gradient_path
 from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.data_parallel.uneven import check_mode
-from tfdist.devices import process_devices
+from tfdist.devices import LocalProcess, process_devices
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.strategies.data_parallel import DataParallel
 
@@ -129,7 +129,8 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
                 raise ConfigError(f"op='adasum' needs a power-of-2 number of processes, got {self.size}.")
         # Default: TFDIST_LOCAL_DEVICES devices (else one) per process, GPUs by local rank as Horovod does.
         spec = local_devices if local_devices is not None else (local_device_count() or 1)
-        devices = process_devices(spec, parameter="local_devices", local_rank=self.local_rank)
+        local = LocalProcess(self.local_rank, self.local_size, local_process().own_devices)
+        devices = process_devices(spec, parameter="local_devices", local=local)
         if launched_by() is None and self.size == 1:
             log.info("HorovodStrategy: no launcher found; running as a one-process job over %s.", devices)
         ops = HorovodAllReduce(self.size, self.size * len(devices), compression=compression, op=op)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
-from tfdist.comm.launch_env import local_device_count
+from tfdist.comm.launch_env import local_device_count, local_process
 from tfdist.comm.peers import cluster_config_of
 from tfdist.comm.runtime import join_tf_job
 from tfdist.comm.tf_config import ClusterConfig
@@ -102,7 +102,8 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         config = self._cluster_config = cluster_config_of(cluster_resolver)
         if local_devices is None:
             local_devices = local_device_count()  # from `tfdist launch --devices-per-worker M`
-        kind, indices = kind_and_indices(process_devices(local_devices, parameter="local_devices"))
+        kind, indices = kind_and_indices(process_devices(local_devices, parameter="local_devices",
+                                                         local=local_process()))
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=_COMMUNICATION[communication], timeout_seconds=self.timeout_s)
         extended = with_gradient_path(with_step_flags(tf_distribute.CollectiveExtended))

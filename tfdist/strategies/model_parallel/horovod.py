@@ -26,9 +26,9 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from tfdist.comm.horovod_group import HorovodGroup
-from tfdist.comm.launch_env import launcher_of
+from tfdist.comm.launch_env import launcher_of, local_process
 from tfdist.comm.tf_config import ClusterConfig, tf_config_from_env
-from tfdist.devices import process_devices
+from tfdist.devices import LocalProcess, mesh_process_devices
 from tfdist.errors import ConfigError
 from tfdist.tensor_parallel._tf_rows import RowsExtended, SpanExtended, SpanRowsExtended
 from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task
@@ -83,9 +83,8 @@ def horovod_rows(grid, timeout_s: float, environ: Mapping[str, str] | None = Non
     config = ClusterConfig({"worker": [f"horovod-rank-{r}" for r in range(size)]}, "worker", rank)
     rows = process_rows(grid, environ, config=config)
     rows.local_grid = [[local_name(d) for d in row] for row in rows.local_grid]  # no TF server: local devices
-    kind = tf.DeviceSpec.from_string(rows.local_grid[0][0]).device_type.upper()
-    process_devices(rows.devices_per_process if kind == "CPU" else [d for r in rows.local_grid for d in r],
-                    parameter="mesh devices", local_rank=hvd.local_rank())
+    local = LocalProcess(hvd.local_rank(), hvd.local_size(), local_process().own_devices)
+    mesh_process_devices([d for r in rows.local_grid for d in r], rows.devices_per_process, local)
     return rows
 
 

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat.distribute import launcher_all_gather
-from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, local_device_count
+from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, local_device_count, local_process
 from tfdist.comm.runtime import check_tf_not_started, start_server
 from tfdist.comm.tf_config import (
     MULTI_WORKER_JOBS,
     ClusterConfig,
     tf_config_from_env,
 )
-from tfdist.devices import process_devices
+from tfdist.devices import mesh_process_devices
 from tfdist.errors import ConfigError
 from tfdist.tensor_parallel._tf_rows import (
     RowsExtended,
@@ -215,9 +215,8 @@ def start_processes(strategy, rows: ProcessRows, timeout_s: float):
     who = "tfdist.ModelParallelStrategy over a mesh across processes must be created"
     fix = "Create the mesh and the strategy first thing in the script."
     check_tf_not_started(who, fix)
-    kind = tf.DeviceSpec.from_string(rows.local_grid[0][0]).device_type.upper()
-    process_devices(rows.devices_per_process if kind == "CPU" else [local_name(d) for r in rows.local_grid for d in r],
-                    parameter="mesh devices")  # M logical CPUs, configured before TF initialises
+    mesh_process_devices([local_name(d) for r in rows.local_grid for d in r], rows.devices_per_process,
+                         local_process())  # configured before TF initialises
     server = start_server(config, timeout_s, who=who, fix=fix)
     _STARTED["server"] = (config.to_json(), server)
     return _make_extended(strategy, rows, timeout_s), server
