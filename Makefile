@@ -29,7 +29,7 @@ APT_PACKAGES += openmpi-bin libopenmpi-dev cmake g++ make python3-dev
 HOROVOD_STAMP := $(VENV)/.horovod-$(TF_EXTRA)
 KERAS_HUB_STAMP := $(VENV)/.keras-hub
 
-.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod keras-hub bench-allreduce bench-zero bench-zero-horovod api
+.PHONY: help setup system-deps demo test quick bench clean test-slurm horovod keras-hub bench-allreduce bench-zero bench-zero-horovod api gpu-check
 
 help:
 	@echo "make demo    set up .venv and run the main job (MNIST CNN, 4 replicas)"
@@ -37,6 +37,7 @@ help:
 	@echo "make quick   the in-process tests only (no Horovod build, no root)"
 	@echo "make bench   the benchmarks (JSON and PNG under $(OUT)/)"
 	@echo "make api     the API reference from the docstrings, in $(OUT)/api"
+	@echo "make gpu-check  every strategy on this machine's GPUs against one GPU (needs NVIDIA GPUs)"
 
 # What every target needs: the venv with tfdist, TensorFlow and the test tools. `make test` adds the
 # Debian packages and the Horovod build; the demo needs neither.
@@ -104,6 +105,11 @@ test-slurm: setup system-deps horovod
 # The API reference from the docstrings (pdoc), links checked: open $(OUT)/api/index.html
 api: setup
 	$(BIN)/python docs/build_api.py $(OUT)/api
+
+# On a machine with NVIDIA GPUs (setup then installs tensorflow[and-cuda]): each strategy against one GPU, then
+# throughput, as a table and $(OUT)/gpu_check.json. Without GPUs it says so and stops.
+gpu-check: setup
+	$(BIN)/python -m benchmarks gpu-check --json $(OUT)/gpu_check.json
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache build *.egg-info
