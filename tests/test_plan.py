@@ -48,6 +48,20 @@ def test_plan_reads_model_file_and_its_optimizer(tmp_path, capsys):
     assert plan["optimizer"] == "SGD" and plan["state_bytes_per_param"] == 4
 
 
+def test_plan_counts_the_replicated_start_up_of_a_zero3_model(tmp_path, capsys):
+    """21B parameters on 8 x 80 GB: ZeRO-3's 42 GB per replica fit after the cut, but the model is created
+    replicated first (84 GB per device), so nothing fits, and the plan says why and what to do."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--params", "21B", "--replicas", "8", "--device-memory", "80", "--json", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "ZeRO-3      10.500    10.500    21.000    42.000  too big at start-up" in printed
+    assert "would fit 80 GB after the cut" in printed and "tensor parallelism" in printed
+    plan = json.loads(out.read_text())
+    assert plan["creation_bytes_per_replica"] == 84e9 and plan["smallest_fitting_stage"] is None
+    assert main(["plan", "--params", "21B", "--replicas", "8", "--device-memory", "90"]) == 0
+    assert "smallest stage that fits 90 GB: ZeRO-3" in capsys.readouterr().out
+
+
 def test_plan_nothing_fits_and_bad_input(capsys):
     assert main(["plan", "--params", "10B", "--replicas", "8", "--device-memory", "1"]) == 1
     assert "no stage fits" in capsys.readouterr().out

@@ -138,8 +138,11 @@ def run(args: argparse.Namespace) -> int:
                               "rmsprop, adagrad, adamw.") from None
     opt_name, state_bytes = state_bytes_per_param(optimizer)
     stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2, 3)}
+    # Every stage creates the model replicated (a full fp32 copy per replica) and ZeRO-3 cuts it when the optimizer
+    # is built: below its steady state up to 4 replicas, above it from there on.
+    creation = 4.0 * num_params
     limit = args.device_memory * 1e9 if args.device_memory else None
-    fits = {s: (limit is None or f["total"] <= limit) for s, f in stages.items()}
+    fits = {s: (limit is None or max(f["total"], creation) <= limit) for s, f in stages.items()}
     smallest = next((s for s in (0, 1, 2, 3) if fits[s]), None)
 
     gb = lambda b: f"{b / 1e9:10.3f}"  # noqa: E731
@@ -147,11 +150,19 @@ def run(args: argparse.Namespace) -> int:
           f"({state_bytes:g} B of optimizer state per parameter), fp32 variables")
     print(f"{'stage':<8s}{'params':>10s}{'grads':>10s}{'opt state':>10s}{'total':>10s}  GB per replica")
     for s, f in stages.items():
-        mark = "" if limit is None else ("  fits" if fits[s] else "  too big")
+        mark = "" if limit is None else ("  fits" if fits[s] else "  too big at start-up" if f["total"] <= limit
+                                         else "  too big")
         print(f"ZeRO-{s:<3d}{gb(f['params'])}{gb(f['gradients'])}{gb(f['optimizer_state'])}{gb(f['total'])}{mark}")
-    print("activations and framework overhead come on top of these.")
+    print(f"start-up: the model is created replicated, {creation / 1e9:.3f} GB per replica, before ZeRO-3 cuts it; "
+          "activations and framework overhead come on top of these.")
     if limit is not None:
-        if smallest is None:
+        if smallest is None and stages[3]["total"] <= limit < creation:
+            print(f"ZeRO-3 would fit {args.device_memory:g} GB after the cut ({stages[3]['total'] / 1e9:.3f} GB per "
+                  f"replica), but creating the model needs a full copy on each device ({creation / 1e9:.3f} GB), and "
+                  "more replicas do not shrink that. Split the model itself: tensor parallelism creates each split "
+                  "layer in pieces (`tfdist plan --model m.keras --devices N` compares the layouts); or use devices "
+                  "with more memory.")
+        elif smallest is None:
             print(f"no stage fits {args.device_memory:g} GB: even ZeRO-3 needs {stages[3]['total'] / 1e9:.3f} GB "
                   "per replica (more replicas, offload or model parallelism needed).")
         else:
@@ -162,5 +173,6 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"num_params": num_params, "replicas": args.replicas, "optimizer": opt_name,
                        "state_bytes_per_param": state_bytes, "device_memory_gb": args.device_memory,
                        "stages": {str(s): v for s, v in stages.items()},
+                       "creation_bytes_per_replica": creation,
                        "fits": {str(s): v for s, v in fits.items()}, "smallest_fitting_stage": smallest}, f, indent=2)
     return 0 if (limit is None or smallest is not None) else 1
