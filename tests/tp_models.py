@@ -111,3 +111,25 @@ def run_under_mpirun(job: str, args: list[str], env: dict, local_devices: int, t
            sys.executable, job, *args]
     return subprocess.run(cmd, cwd=os.path.dirname(job), env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def regression():
+    """(x, y, model_fn): 48 samples of a linear target and a small Dense model with fixed initial weights, compiled
+    with SGD and MSE. Four global batches of 12, which 1, 2, 3 or 4 replicas split evenly."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1).astype("float32")
+
+    def model_fn():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1)),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        ])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    return x, y, model_fn

@@ -40,7 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=ALL_REDUCE_RULES + "\n" + PS_RULES,
         epilog="examples:\n  tfdist launch -n 2 -- tfdist train --strategy multiworker --epochs 3\n"
                "  tfdist launch -n 2 --max-restarts 3 -- tfdist train --strategy multiworker --backup-dir ckpt\n"
-               "  tfdist launch -n 2 --ps 1 -- tfdist train --strategy ps --steps-per-epoch 50")
+               "  tfdist launch -n 2 --ps 1 -- tfdist train --strategy ps --steps-per-epoch 50\n"
+               "  tfdist launch --nnodes 2 --node-rank 0 --master 10.0.0.1:29400 -n 4 -- python train.py  # node 0\n"
+               "  tfdist launch --nnodes 2 --node-rank 1 --master 10.0.0.1:29400 -n 4 -- python train.py  # node 1")
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--devices-per-worker", type=int, default=1,
                    help="local devices per worker (logical CPUs on a machine without GPUs; default 1)")
@@ -59,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link-rate", default=None, metavar="RATE",
                    help="run each worker on an emulated node whose link runs at RATE (e.g. 1gbit, 10gbit; "
                         "network namespaces + tc, root only; --backend tf or horovod)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="machines in the job (default 1); run the same command on each with its --node-rank")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..N-1")
+    p.add_argument("--master", default=None, metavar="HOST:PORT",
+                   help="with --nnodes: an address of node 0 and a free port, where the nodes' launchers meet")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds to wait for every node at each (re)start (default 300)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
 
@@ -77,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         return launch(cmd, args.num_workers, ps=args.ps, max_restarts=args.max_restarts, network=args.network,
-                      link_rate=args.link_rate,
+                      link_rate=args.link_rate, nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
+                      rdzv_timeout_s=args.rdzv_timeout,
                       devices_per_worker=args.devices_per_worker, backend=args.backend, timeout_s=args.timeout)
     except KeyboardInterrupt:
         print("[launch] interrupted; workers stopped", file=sys.stderr)

@@ -9,10 +9,11 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from tfdist.cluster.ports import free_ports
+from tfdist.cluster.rendezvous import NodeInfo, address_towards, join, parse_master
 from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, RANK_ENV, ROLE_ENV
 from tfdist.errors import ConfigError
 
-__all__ = ["GlooBackend", "TFConfigBackend", "make_tf_configs", "ps_job_tasks"]
+__all__ = ["GlooBackend", "NodesTFConfigBackend", "TFConfigBackend", "make_tf_configs", "ps_job_tasks"]
 
 
 def ps_job_tasks(n: int, ps: int) -> list[tuple[str, int]]:
@@ -88,6 +89,36 @@ class TFConfigBackend:
         yield [{"TF_CONFIG": cfg, LOCAL_DEVICES_ENV: str(devices_per_worker), RANK_ENV: str(rank),
                 ROLE_ENV: task_type}
                for rank, (cfg, (task_type, _)) in enumerate(zip(configs, ps_job_tasks(n, ps)))]
+
+
+class NodesTFConfigBackend:
+    """Launcher backend "tf" for one node of several (`tfdist launch --nnodes N --node-rank R --master HOST:PORT`).
+
+    Each start (and each restart) meets the other nodes' launchers at the rendezvous on `master`
+    (tfdist.cluster.rendezvous), then gives its n workers one TF_CONFIG for the whole job: the workers of node 0
+    first, then node 1's, ..., so worker i of node R is task R*n + i (TFDIST_RANK).
+    """
+
+    name = "tf"
+    supports_ps = False
+    listens_on_all_interfaces = True
+
+    def __init__(self, master: str, node_rank: int, nnodes: int, timeout_s: float):
+        self.master, self.node_rank, self.nnodes, self.timeout_s = master, node_rank, nnodes, timeout_s
+        self.host = address_towards(parse_master(master)[0])
+        self.round = 0
+
+    @contextlib.contextmanager
+    def environments(self, n: int, devices_per_worker: int) -> Iterator[list[dict[str, str]]]:
+        me = NodeInfo(self.node_rank, self.nnodes, n, self.host, free_ports(n), self.round)
+        self.round += 1
+        nodes = join(self.master, me, self.timeout_s)
+        workers = [f"{node.host}:{port}" for node in nodes for port in node.ports]
+        first = self.node_rank * n
+        configs = [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": first + i}})
+                   for i in range(n)]
+        yield [{"TF_CONFIG": config, LOCAL_DEVICES_ENV: str(devices_per_worker), RANK_ENV: str(first + i)}
+               for i, config in enumerate(configs)]
 
 
 class GlooBackend:

@@ -84,6 +84,10 @@ def launch(
     timeout_s: float | None = None,
     network: str = "private",
     link_rate: str | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
+    rdzv_timeout_s: float = 300.0,
 ) -> int:
     """Runs `command` as `n` local processes and returns the first non-zero exit code (0 if all succeed).
 
@@ -113,6 +117,11 @@ def launch(
     root only); its TF_CONFIG address is the node's ("tf"), or its Gloo pairs bind the node's interface and
     meet at a rendezvous on the network's gateway ("horovod", tfdist.cluster.gloo_nodes).
 
+    With `nnodes` = N > 1 this is node `node_rank` of a job over N machines (torchrun's shape; backend "tf"):
+    node 0's launcher serves a rendezvous at `master` ("HOST:PORT", an address of node 0), every node's launcher
+    meets there at each start and restart (`rdzv_timeout_s` bounds the wait), and the `n` workers of node R are
+    tasks R*n .. R*n+n-1 of one TF_CONFIG. The workers listen on the host's network, reachable from the other nodes.
+
     Example:
         >>> launch(["python", "train.py"], 2)       # same as: tfdist launch -n 2 -- python train.py
         0
@@ -129,6 +138,10 @@ def launch(
     _check_program(command[0])
     if network not in NETWORKS:
         raise ConfigError(f"--network must be one of {list(NETWORKS)}, got {network!r}.")
+    rendezvous: AbstractContextManager = contextlib.nullcontext()
+    if (nnodes, node_rank, master) != (1, 0, None):
+        backend, rendezvous = _nodes(backend, nnodes, node_rank, master, ps, link_rate, rdzv_timeout_s)
+        network = "host"  # the other nodes reach the workers on this machine's own addresses
     backend = load_backend(backend) if isinstance(backend, str) else backend
     if ps is not None:
         _check_supports_ps(backend)
@@ -139,7 +152,7 @@ def launch(
     local = per_process_env(n, devices_per_worker, gpus)  # too few GPUs: refused before anything starts
     say = _line_writer(out or sys.stdout)
     readers: list[threading.Thread] = []
-    with _network(backend, network, say, link_rate, n) as (prefix, nodes):
+    with rendezvous, _network(backend, network, say, link_rate, n) as (prefix, nodes):
 
         def start(label: str, extra_env: Mapping[str, str], rank: int | None = None) -> subprocess.Popen:
             full_env = {**os.environ, **(env or {}), **extra_env, "PYTHONUNBUFFERED": "1"}
@@ -166,6 +179,32 @@ def launch(
         finally:
             for t in readers:
                 t.join(timeout=5)
+
+
+def _nodes(backend: str | LaunchBackend, nnodes: int, node_rank: int, master: str | None, ps: int | None,
+           link_rate: str | None, rdzv_timeout_s: float) -> tuple[LaunchBackend, AbstractContextManager]:
+    """The backend of one node of a multi-node job, and node 0's rendezvous; every option checked first."""
+    from tfdist.cluster.backends import NodesTFConfigBackend
+    from tfdist.cluster.rendezvous import RendezvousServer, parse_master
+
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ConfigError(f"--nnodes must be a whole number >= 1, got {nnodes!r}.")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank!r}.")
+    if master is None:
+        raise ConfigError("--nnodes > 1 needs --master HOST:PORT: an address of node 0 and a free port, the same "
+                          "on every node (e.g. --master 10.0.0.1:29400).")
+    host, port = parse_master(master)
+    if (backend if isinstance(backend, str) else _name(backend)) != "tf":
+        raise ConfigError("--nnodes runs --backend tf; for Horovod across machines start the ranks with "
+                          "`horovodrun -H host1:4,host2:4` or `mpirun`.")
+    if ps is not None or link_rate is not None:
+        raise ConfigError("--nnodes cannot be combined with --ps or --link-rate.")
+    if not isinstance(rdzv_timeout_s, int | float) or rdzv_timeout_s <= 0:
+        raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout_s!r}.")
+    server = (RendezvousServer(host, port, nnodes=nnodes, timeout_s=rdzv_timeout_s) if node_rank == 0
+              else contextlib.nullcontext())
+    return NodesTFConfigBackend(master, node_rank, nnodes, rdzv_timeout_s), server
 
 
 @contextlib.contextmanager
