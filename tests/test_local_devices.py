@@ -158,3 +158,15 @@ def test_tfdist_cluster_reports_each_process_devices_and_refuses_an_overlap():
     assert devices_report(mpirun)["trains_on"] == ["GPU 2", "GPU 3"]
     overlap = devices_report({**mpirun, "CUDA_VISIBLE_DEVICES": "0,1,2"})
     assert "trains_on" not in overlap and "overlap" in overlap["error"]
+
+
+def test_tfdist_cluster_reports_versions_build_and_collectives():
+    import keras
+    import tensorflow as tf
+
+    from tfdist.cli.cluster import software_report
+
+    report = software_report(gpus=True)
+    assert (report["tensorflow"], report["keras"]) == (tf.__version__, keras.__version__)
+    assert report["cuda_build"] is False and report["cuda"] is None  # tensorflow-cpu here
+    assert report["multi_worker_collectives"] == "TF's ring over gRPC (CPU)"  # no CUDA build: no NCCL

@@ -1,5 +1,5 @@
-"""`tfdist cluster`: what this process would join — the SLURM step, TF_CONFIG, auto_strategy's choice — and the
-devices it would train on."""
+"""`tfdist cluster`: what this process would join — the SLURM step, TF_CONFIG, auto_strategy's choice — the
+devices it would train on, and the versions and build of what it trains with."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if decision.tf_config:
         report["tf_config"] = decision.tf_config
     report["devices"] = devices_report()
+    report["software"] = software_report(bool(report["devices"]["visible_gpus"]))
     print(json.dumps(report, indent=2))
     return 2 if "error" in report["devices"] else 0
 
@@ -76,3 +77,29 @@ def _resolve(host: str) -> str | None:
         return socket.gethostbyname(host)
     except OSError:
         return None
+
+
+def software_report(gpus: bool) -> dict:
+    """Versions and build of what this process trains with, and the collectives a multi-worker job would use."""
+    import platform
+    from importlib import metadata
+
+    import keras
+    import tensorflow as tf
+
+    build = tf.sysconfig.get_build_info()
+
+    def installed(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    cuda = bool(build.get("is_cuda_build"))
+    return {"python": platform.python_version(), "tfdist": installed("tfdist"), "tensorflow": tf.__version__,
+            "keras": keras.__version__, "horovod": installed("horovod"), "cuda_build": cuda,
+            "cuda": build.get("cuda_version"), "cudnn": build.get("cudnn_version"),
+            "nccl": installed("nvidia-nccl-cu12", "nvidia-nccl-cu11"),
+            "multi_worker_collectives": "NCCL" if cuda and gpus else "TF's ring over gRPC (CPU)"}
