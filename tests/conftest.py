@@ -19,6 +19,10 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # adds threads that wait for a core and spin. Ops on different devices still run side by side (the inter-op pool
 # is left as it is). Measured in docs/benchmarks.md (figures from the test suite).
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+# The suite runs on logical CPUs, also on a machine with GPUs: the launcher would otherwise give each worker its
+# own GPUs (and refuse jobs that want more than there are), and the references are one CPU device. The GPU paths
+# have their own check: `make gpu-check`.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # benchmarks/ is not installed: subprocesses that import it (benchmark workers, jobs that read traces) find it
 # in this clone, whatever directory they start in. tests/site holds the suite's sitecustomize: Keras in every

@@ -67,8 +67,11 @@ def test_the_rendezvous_orders_nodes_meets_again_per_round_and_names_each_bad_no
         with pytest.raises(ConfigError, match="node 1 runs -n 2 workers, node 0 runs 1"):
             join(server.address, NodeInfo(1, 2, 2, "b", [2, 3], round=7), 5)
         first.join()
-    with pytest.raises(ConfigError, match=r"--master 127.0.0.1:9 did not answer within 1 s \(--rdzv-timeout\)"):
-        join("127.0.0.1:9", NodeInfo(1, 2, 1, "b", [2]), 1)
+    from tfdist.cluster.ports import free_ports
+
+    closed = free_ports(1)[0]  # free a moment ago: nothing answers there
+    with pytest.raises(ConfigError, match=rf"--master 127.0.0.1:{closed} did not answer within 1 s \(--rdzv-timeout\)"):
+        join(f"127.0.0.1:{closed}", NodeInfo(1, 2, 1, "b", [2]), 1)
 
 
 def test_each_start_of_a_node_meets_the_others_again_with_fresh_ports():
@@ -153,15 +156,19 @@ def test_two_and_three_emulated_nodes_train_to_one_devices_weights(tmp_path):
         with EmulatedNetwork(nnodes, rate=None) as net:
             addresses = [net.address(r) for r in range(nnodes)]
             master = f"{addresses[0]}:29400"
+            logs = [open(out / f"node{r}.log", "w") for r in range(nnodes)]  # files: no pipe fills up
             procs = [subprocess.Popen(net.command(r, [PY, "-m", "tfdist", "launch", "--nnodes", str(nnodes),
                                                      "--node-rank", str(r), "--master", master, "-n", "1",
                                                      "--rdzv-timeout", "60", "--timeout", "240", "--", PY, str(job),
                                                      str(out)]),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      stdout=logs[r], stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": os.pathsep.join(
                                           [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])})
                      for r in range(nnodes)]
-            logs = [p.communicate(timeout=300)[0] for p in procs]
+            for p, log in zip(procs, logs):
+                p.wait(timeout=300)
+                log.close()
+        logs = [(out / f"node{r}.log").read_text() for r in range(nnodes)]
         assert [p.returncode for p in procs] == [0] * nnodes, "\n".join(log[-3000:] for log in logs)
         records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nnodes)]
         workers = records[0]["tf_config"]["cluster"]["worker"]

@@ -48,12 +48,20 @@ def test_tfdist_launch_gives_each_worker_its_own_gpus_by_cuda_visible_devices():
     assert per_process_env(2, 2, []) == [{"TFDIST_LOCAL_RANK": "0", "TFDIST_LOCAL_SIZE": "2"},
                                          {"TFDIST_LOCAL_RANK": "1", "TFDIST_LOCAL_SIZE": "2"}]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == ["0"]  # CUDA stops at the first bad entry
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8e3f,GPU-91aa"}) == ["GPU-8e3f", "GPU-91aa"]  # UUIDs
+
+
+def test_the_launcher_counts_gpus_from_device_files_as_cuda_numbers_them(tmp_path):
+    for name in ("nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):  # a container given the host's GPUs 2 and 3
+        (tmp_path / name).touch()
+    assert visible_gpus({}, dev=tmp_path) == ["0", "1"]
 
 
 def test_srun_with_a_gpu_per_task_and_with_every_gpu_of_the_node():
     def task(local: int, **extra) -> dict:
         return {"SLURM_PROCID": str(4 + local), "SLURM_LOCALID": str(local), "SLURM_NODEID": "1",
-                "SLURM_STEP_TASKS_PER_NODE": "4(x2)", **extra}
+                "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", **extra}
 
     # --gpus-per-task=1: SLURM shows each task its own GPU as GPU 0 (HorovodStrategy used to ask for GPU local_rank).
     bound = [task(i, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES=str(i)) for i in range(4)]
@@ -64,8 +72,15 @@ def test_srun_with_a_gpu_per_task_and_with_every_gpu_of_the_node():
     assert_one_set_each(shared, 1, 4, 1)
     assert_one_set_each(shared, None, 4, 1)
     # An uneven step (3 tasks on node 0, 1 on node 1): the lone task takes the whole node.
-    lone = {"SLURM_PROCID": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "3,1"}
+    lone = {"SLURM_PROCID": "3", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_STEP_TASKS_PER_NODE": "3,1"}
     assert physical(lone, None, 4) == [0, 1, 2, 3]
+    # A batch script's own python (no srun step): the node's one process, every GPU.
+    assert local_process({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}) == LocalProcess(0, 1)
+    # --gpus-per-task=1 with --gpu-bind=none: every task sees all four, so they are not its own; local ranks split.
+    unbound = [task(i, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="0,1,2,3") for i in range(4)]
+    assert not any(local_process(e).own_devices for e in unbound)
+    assert_one_set_each(unbound, 1, 4, 1)
 
 
 def test_mpirun_map_by_horovodrun_and_a_cluster_managers_tf_config():
@@ -104,7 +119,8 @@ def test_inconsistent_launcher_variables_are_named():
         local_process({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
                        "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
     with pytest.raises(ConfigError, match="SLURM_STEP_TASKS_PER_NODE='2x' is not of the form"):
-        local_process({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2x"})
+        local_process({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                       "SLURM_STEP_TASKS_PER_NODE": "2x"})
     with pytest.raises(ConfigError, match="HOROVOD_LOCAL_RANK must be a whole number >= 0, got 'x'"):
         local_process({"HOROVOD_RANK": "0", "HOROVOD_LOCAL_RANK": "x"})
 
@@ -168,5 +184,6 @@ def test_tfdist_cluster_reports_versions_build_and_collectives():
 
     report = software_report(gpus=True)
     assert (report["tensorflow"], report["keras"]) == (tf.__version__, keras.__version__)
-    assert report["cuda_build"] is False and report["cuda"] is None  # tensorflow-cpu here
-    assert report["multi_worker_collectives"] == "TF's ring over gRPC (CPU)"  # no CUDA build: no NCCL
+    cuda = tf.test.is_built_with_cuda()
+    assert report["cuda_build"] is cuda and (report["cuda"] is not None) is cuda
+    assert report["multi_worker_collectives"] == ("NCCL" if cuda else "TF's ring over gRPC (CPU)")

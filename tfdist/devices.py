@@ -135,10 +135,11 @@ def process_devices(spec: int | Sequence[str] | None, *, parameter: str = "local
                     local: LocalProcess | None = None) -> list[str]:
     """The devices one process of a multi-process job trains on, chosen before TensorFlow initialises.
 
-    `spec` is None (this process's share of the GPUs, else every configured logical CPU), a count M (M GPUs,
-    else M logical CPUs) or a list of device names (checked against the machine, used as given). With GPUs, the
-    process's share (`gpu_share`, from `local`: its place on the machine) becomes the only GPUs TensorFlow shows
-    it, so every process names its own '/device:GPU:0' .. 'GPU:M-1', as a mesh across processes lists them.
+    `spec` is None (every GPU, else every configured logical CPU), a count M (the first M GPUs, else M logical
+    CPUs) or a list of device names (checked against the machine, used as given). With `local` (its place on the
+    machine, given by the multi-process strategies) its share of the GPUs (`gpu_share`) instead, and that share
+    becomes the only GPUs TensorFlow shows it, so every process names its own '/device:GPU:0' .. 'GPU:M-1', as a
+    mesh across processes lists them.
 
     Example:
         >>> process_devices(2)          # no GPUs: the CPU split into 2 logical devices
@@ -148,17 +149,19 @@ def process_devices(spec: int | Sequence[str] | None, *, parameter: str = "local
         return _check_names(spec, parameter, allow_count=True)
     if isinstance(spec, int) and spec < 1:
         raise ConfigError(f"{parameter} must be a whole number >= 1, got {spec}.")
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus and not any(tf.config.get_logical_device_configuration(g) for g in gpus):
-        share = gpu_share(spec, len(gpus), local or LocalProcess(), parameter=parameter)
+    gpus = tf.config.get_visible_devices("GPU")  # what this process was already shown (all, unless narrowed)
+    if local is not None and gpus and not any(tf.config.get_logical_device_configuration(g) for g in gpus):
+        if len(gpus) < len(tf.config.list_physical_devices("GPU")):  # the user chose this process's GPUs
+            local = LocalProcess(local.local_rank, local.local_size, own_devices=True)
+        share = gpu_share(spec, len(gpus), local, parameter=parameter)
         _show_only([gpus[i] for i in share], parameter)
         return _names("GPU", range(len(share)))
     if spec is None:
         return local_devices()
     counts = _available()
-    if counts["GPU"]:  # logical GPUs configured by the user: the first `spec` of them
+    if counts["GPU"]:  # one process (or logical GPUs the user configured): the first `spec` GPUs
         if spec > counts["GPU"]:
-            raise ConfigError(f"{parameter}={spec}: this process has {counts['GPU']} logical GPU(s).")
+            raise ConfigError(f"{parameter}={spec}: this process sees {counts['GPU']} GPU(s).")
         return _names("GPU", range(spec))
     if spec == 1 or (spec <= counts["CPU"] and _initialised()):
         return _names("CPU", range(spec))  # already there: the first `spec` logical CPUs
@@ -234,11 +237,12 @@ def _check_names(devices, parameter: str, *, allow_count: bool) -> list[str]:
 
 
 def _available() -> dict[str, int]:
-    """Logical devices per type, read from the device configuration (does not initialise TensorFlow)."""
+    """Logical devices per type, read from the device configuration (does not initialise TensorFlow): those of
+    the physical devices TF shows this process (all, unless `tf.config.set_visible_devices` narrowed them)."""
     counts = {}
     for kind in _KINDS:
         n = 0
-        for device in tf.config.list_physical_devices(kind):
+        for device in tf.config.get_visible_devices(kind):
             logical = tf.config.get_logical_device_configuration(device)
             n += len(logical) if logical else 1
         counts[kind] = n

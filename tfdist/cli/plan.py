@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     opt_name, state_bytes = state_bytes_per_param(optimizer)
     stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2, 3)}
     # Every stage creates the model replicated (a full fp32 copy per replica) and ZeRO-3 cuts it when the optimizer
-    # is built: below its steady state up to 4 replicas, above it from there on.
+    # is built: below its steady state for few replicas, above it beyond (4 with Adam's 8 bytes of state).
     creation = 4.0 * num_params
     limit = args.device_memory * 1e9 if args.device_memory else None
     fits = {s: (limit is None or max(f["total"], creation) <= limit) for s, f in stages.items()}

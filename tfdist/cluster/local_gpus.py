@@ -31,11 +31,16 @@ def visible_gpus(environ: Mapping[str, str] | None = None, dev: Path = Path("/de
     """
     env = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in env:
-        entries = [e.strip() for e in env["CUDA_VISIBLE_DEVICES"].split(",") if e.strip()]
-        return [] if not entries or entries[0] in ("-1", "NoDevFiles") else entries
-    found = sorted(int(m.group(1)) for p in (dev.iterdir() if dev.is_dir() else ())
-                   if (m := _DEVICE_FILE.match(p.name)))
-    return [str(i) for i in found]
+        entries = []
+        for entry in (e.strip() for e in env["CUDA_VISIBLE_DEVICES"].split(",")):
+            if not entry or entry in ("-1", "NoDevFiles") or entry.startswith("-"):
+                break  # CUDA stops at the first entry that names no device
+            entries.append(entry)
+        return entries
+    # Device files carry the host's numbers (a container may show /dev/nvidia2 and /dev/nvidia3); CUDA numbers
+    # what it is shown from 0.
+    found = [p for p in (dev.iterdir() if dev.is_dir() else ()) if _DEVICE_FILE.match(p.name)]
+    return [str(i) for i in range(len(found))]
 
 
 def per_process_env(n: int, devices_per_worker: int, gpus: list[str]) -> list[dict[str, str]]:

@@ -66,11 +66,13 @@ class RendezvousServer:
         outer = self
 
         class Handler(socketserver.StreamRequestHandler):
+            timeout = 60  # seconds for the one line a launcher sends; an idle connection does not keep a thread
+
             def handle(self):
                 try:
-                    node = NodeInfo(**json.loads(self.rfile.readline()))
+                    node = NodeInfo(**json.loads(self.rfile.readline(65536)))
                     reply = {"nodes": [asdict(n) for n in outer.meet(node)]}
-                except (ConfigError, TypeError, ValueError) as err:
+                except (ConfigError, TypeError, ValueError, OSError) as err:
                     reply = {"error": str(err)}
                 self.wfile.write((json.dumps(reply) + "\n").encode())
 
@@ -124,7 +126,8 @@ class RendezvousServer:
             while len(nodes) < self.nnodes:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(set(range(self.nnodes)) - set(nodes))
+                    del nodes[node.node_rank]  # this node gives up: a relaunch of it may claim the rank again
+                    missing = sorted(set(range(self.nnodes)) - set(nodes) - {node.node_rank})
                     raise ConfigError(f"node rank(s) {missing} did not join the rendezvous at {self.address} within "
                                       f"{self.timeout_s:g} s (--rdzv-timeout): start `tfdist launch --nnodes "
                                       f"{self.nnodes} --node-rank R --master {self.address}` on every node.")

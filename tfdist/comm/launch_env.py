@@ -127,7 +127,7 @@ def local_process(environ: Mapping[str, str] | None = None) -> LocalProcess:
         LocalProcess(local_rank=1, local_size=2, own_devices=False)
     """
     env = os.environ if environ is None else environ
-    own = env.get(OWN_DEVICES_ENV, "").strip() == "1" or bool(env.get("SLURM_GPUS_PER_TASK", "").strip())
+    own = env.get(OWN_DEVICES_ENV, "").strip() == "1" or _slurm_bound_gpus(env)
     innermost_first = sorted(LAUNCHERS, key=lambda launcher: launcher.kind != "tfdist launch")  # it starts its own
     for launcher in innermost_first:
         if launcher.local_rank_var is None or not env.get(launcher.local_rank_var, "").strip():
@@ -135,13 +135,21 @@ def local_process(environ: Mapping[str, str] | None = None) -> LocalProcess:
         rank = _whole(env, launcher.local_rank_var, minimum=0)
         size = _whole(env, launcher.local_size_var, minimum=1) if env.get(launcher.local_size_var or "") else None
         if size is None and launcher.kind == "srun":
-            size = _slurm_tasks_on_this_node(env)
+            # a batch script's own python, outside any srun step, is the node's one process
+            size = _slurm_tasks_on_this_node(env) if srun_step_tasks(env) > 1 else 1
         if size is not None and rank >= size:
             of = launcher.local_size_var or "the step's tasks on this node"
             raise ConfigError(f"{launcher.local_rank_var}={rank} is not below {of}={size}: the launcher's environment "
                               "is inconsistent.")
         return LocalProcess(rank, size, own)
     return LocalProcess(0, 1, own)
+
+
+def _slurm_bound_gpus(env: Mapping[str, str]) -> bool:
+    """SLURM bound this task's GPUs (--gpus-per-task G): it shows the task exactly G of them."""
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").strip()
+    shown = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return per_task.isdigit() and int(per_task) == len(shown) > 0
 
 
 def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
