@@ -10,7 +10,8 @@ relative to one device, printed as one table and written as JSON.
 - ZeRO stages 1 and 2 with the optimizer shards offloaded to the host, and stage 3;
 - tensor parallelism (a 1 x N mesh, Megatron's column/row split of the MLP);
 - a pipeline (`LayerPlacementStrategy`, one stage per GPU, 4 micro-batches);
-- `MirroredStrategy` under `mixed_bfloat16` and `mixed_float16` (Keras' loss scaling), ZeRO-3 under bfloat16;
+- `MirroredStrategy` under `mixed_bfloat16` and `mixed_float16` (Keras' loss scaling); ZeRO-3, tensor parallelism
+  and the pipeline under `mixed_bfloat16`;
 - in a second process, `MirroredStrategy` over two logical GPUs of one card with a non-NCCL all-reduce.
 
 Without a GPU it says so and exits 2 before TensorFlow starts. `--cpu N` runs the same checks on N logical CPUs
@@ -123,6 +124,9 @@ class Check:
             ("one device, bfloat16", lambda: tf.distribute.OneDeviceStrategy(d[0]), "mixed_bfloat16"),
             ("Mirrored, bfloat16", lambda: tfdist.MirroredStrategy(d), "mixed_bfloat16"),
             ("ZeRO-3, bfloat16", lambda: tfdist.MirroredStrategy(d, zero_stage=3), "mixed_bfloat16"),
+            ("tensor parallel, bfloat16", lambda: tfdist.ModelParallelStrategy(layout, batch_dim_name="batch"),
+             "mixed_bfloat16"),
+            ("pipeline, bfloat16", lambda: tfdist.LayerPlacementStrategy(d, micro_batches=4), "mixed_bfloat16"),
             ("one device, float16", lambda: tf.distribute.OneDeviceStrategy(d[0]), "mixed_float16"),
             ("Mirrored, float16", lambda: tfdist.MirroredStrategy(d), "mixed_float16"),
         ]

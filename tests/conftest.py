@@ -156,7 +156,8 @@ UNIT_MINUTES = {
     "02_multiworker_cnn.ipynb": 1.1, "test_tensor_parallel.py": 1.0, "test_bench_allreduce_links.py": 0.9,
     "test_bench_zero.py": 0.9, "test_horovod.py": 0.9, "test_zero_checkpoint.py": 0.9, "test_migration.py": 0.9,
     "test_bench_straggler.py": 0.8, "test_uneven_data.py": 0.8, "06_tensor_parallel.ipynb": 0.8,
-    "test_bench_network_scaling.py": 0.8, "test_keras_distribution.py": 2.0,
+    "test_bench_network_scaling.py": 0.8, "test_keras_distribution.py": 2.0, "test_gpu_check.py": 0.8,
+    "test_launch_nodes.py": 0.8,
 }
 
 

@@ -32,7 +32,8 @@ def test_every_configuration_equals_one_device_on_logical_cpus(tmp_path, capsys)
     assert [r["configuration"] for r in rows] == [
         "one device", "Mirrored, all-reduce default", "ZeRO-1, offload", "ZeRO-2, offload", "ZeRO-3",
         "tensor parallel 1 x N", "pipeline, N stages", "one device, bfloat16", "Mirrored, bfloat16",
-        "ZeRO-3, bfloat16", "one device, float16", "Mirrored, float16", "logical devices, non-NCCL"]
+        "ZeRO-3, bfloat16", "tensor parallel, bfloat16", "pipeline, bfloat16", "one device, float16",
+        "Mirrored, float16", "logical devices, non-NCCL"]
     assert all(r["equal"] and r["relative_diff"] <= r["tolerance"] for r in rows), rows
     assert {r["replicas"] for r in rows if r["configuration"].startswith(("Mirrored", "ZeRO"))} == {2}
     assert all(r["samples_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
