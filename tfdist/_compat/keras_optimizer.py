@@ -13,9 +13,9 @@ from keras.src.optimizers import base_optimizer as _base_optimizer
 
 __all__ = ["apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum",
            "learning_rate_variable", "moving_averages", "optimizer_hooks", "optimizer_strategy",
-           "override_apply_gradients", "override_sharded_state", "overwrite_with_average", "record_slot_creation",
-           "reindex", "stock_apply_gradients", "track_variable", "trained_variables", "update_variables",
-           "uses_weight_decay", "variable_index"]
+           "override_apply_gradients", "override_check_finite", "override_sharded_state", "overwrite_with_average",
+           "record_slot_creation", "reindex", "stock_apply_gradients", "stock_check_finite", "track_variable",
+           "trained_variables", "update_variables", "uses_weight_decay", "variable_index"]
 
 # --- The build hooks ----------------------------------------------------------------------------------
 # Keras 3 gives a strategy no handle on an optimizer before it creates its slots. Every Keras
@@ -210,6 +210,17 @@ def override_apply_gradients(optimizer, apply_gradients: Callable) -> None:
     `_backend_apply_gradients`: clipping, decay, the update, accumulation and EMA) to
     `apply_gradients(optimizer, grads, variables)`; `stock_apply_gradients` still runs Keras' own."""
     _bind(optimizer, "_backend_apply_gradients", apply_gradients)
+
+
+def override_check_finite(optimizer, check_finite: Callable) -> None:
+    """Makes this one LossScaleOptimizer decide whether a step's gradients are finite with
+    `check_finite(optimizer, grads)`; `stock_check_finite` still runs Keras' own."""
+    _bind(optimizer, "check_finite", check_finite)
+
+
+def stock_check_finite(optimizer, grads: list):
+    """Keras' own `LossScaleOptimizer.check_finite` of the optimizer's class: whether `grads` are all finite."""
+    return type(optimizer).check_finite(optimizer, grads)
 
 
 def stock_apply_gradients(optimizer, grads: list, variables: list) -> None:

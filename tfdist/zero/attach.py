@@ -24,6 +24,7 @@ from tfdist.errors import ConfigError
 from tfdist.zero.config import ZeroConfig, check_unit_bytes
 from tfdist.zero.engine import ZeroEngine, tf_variable
 from tfdist.zero.fsdp.engine import enable_stage3
+from tfdist.zero.loss_scale import agree_on_finite_gradients
 from tfdist.zero.stage0_update import SummedGradientUpdate
 
 __all__ = ["building_optimizers", "configure_stage3", "cross_process_engine",
@@ -157,11 +158,15 @@ def _on_create(optimizer) -> None:
 
 def _on_build(optimizer, variables) -> None:
     """Build hook: turns `optimizer` into a ZeRO optimizer when its variables live under a ZeRO strategy."""
-    if engine_of(optimizer) is not None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if engine_of(optimizer) is not None:
         return
     owners = [s for s in (getattr(tf_variable(v), "distribute_strategy", None) for v in variables) if s is not None]
     target = next((s for s in [*owners, tf.distribute.get_strategy()] if s in _strategies), None)
     if target is None:
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # its inner optimizer is the one sharded
+        if target.num_replicas_in_sync > 1:
+            agree_on_finite_gradients(optimizer)
         return
     if keras_optimizer.optimizer_strategy(optimizer) is not target:
         raise ConfigError(

@@ -32,13 +32,18 @@ from tfdist.strategies.model_parallel.processes import (
 from tfdist.strategies.model_parallel.zero import Stage3Options, attach_update
 from tfdist.tensor_parallel.layout_map import LayoutMap, as_layout_map
 from tfdist.tensor_parallel.memory import SplitMemoryReport, split_memory_report
-from tfdist.tensor_parallel.shard import ShardPlan, keep_logical_optimizer_saving, shard_model
+from tfdist.tensor_parallel.shard import (
+    ShardPlan,
+    keep_logical_optimizer_saving,
+    shard_model,
+)
 from tfdist.tensor_parallel.span import RowDevices
 from tfdist.tensor_parallel.stages import StagedShardPlan, StageOptions, shard_stages
 from tfdist.zero.attach import engine_of
-from tfdist.zero.mesh_engine import GroupedZeroEngine
 from tfdist.zero.config import check_stage
 from tfdist.zero.engine import tf_variable
+from tfdist.zero.loss_scale import agree_on_finite_gradients
+from tfdist.zero.mesh_engine import GroupedZeroEngine
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -267,6 +272,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     def _on_optimizer_build(self, optimizer, variables) -> None:
         if keras_optimizer.optimizer_strategy(optimizer) is not self:
             return
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and self.num_replicas_in_sync > 1:
+            agree_on_finite_gradients(optimizer)  # every row skips the same steps
         ids = {id(v) for v in variables}
         # The model compiled with this optimizer, else the largest model holding these variables (a Sequential
         # holds a functional model over the same layers: split once, by the outer one).
