@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import hostlist
 
+from tfdist.comm.launch_env import expand_tasks_per_node
 from tfdist.errors import ConfigError
 
 __all__ = ["SlurmCluster", "RankInfo", "in_slurm_step", "expand_hosts", "expand_tasks_per_node", "step_ports"]
@@ -228,17 +229,6 @@ def expand_hosts(value: str, variable: str = "host list") -> list[str]:
     if len(set(hosts)) != len(hosts):
         raise ConfigError(f"{variable}={value!r} names a host twice: {hosts}.")
     return hosts
-
-
-def expand_tasks_per_node(value: str) -> list[int]:
-    """Expands SLURM_STEP_TASKS_PER_NODE (`2(x3),1` -> [2, 2, 2, 1]); ConfigError when malformed."""
-    try:
-        counts = hostlist.parse_slurm_tasks_per_node(value)
-    except (hostlist.BadHostlist, ValueError, TypeError) as err:
-        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={value!r} is not of the form '2(x3),1' ({err}).") from None
-    if not counts or any(c < 1 for c in counts):
-        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={value!r} must list at least one count >= 1.")
-    return counts
 
 
 def step_ports(environ: Mapping[str, str], local_ranks: tuple[int, ...], tasks_on_busiest_node: int) -> tuple[int, ...]:

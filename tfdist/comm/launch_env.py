@@ -17,12 +17,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import hostlist
+
 from tfdist.devices import LocalProcess
 from tfdist.errors import ConfigError
 
 __all__ = ["LAUNCHERS", "LOCAL_DEVICES_ENV", "LOCAL_RANK_ENV", "LOCAL_SIZE_ENV", "OWN_DEVICES_ENV", "RANK_ENV",
-           "ROLE_ENV", "Launcher", "launched_by", "launcher_of", "local_device_count", "local_process",
-           "srun_step_tasks"]
+           "ROLE_ENV", "Launcher", "expand_tasks_per_node", "launched_by", "launcher_of", "local_device_count",
+           "local_process", "srun_step_tasks"]
 
 # `tfdist launch` tells each worker how many local devices (replicas) to use with this variable.
 LOCAL_DEVICES_ENV = "TFDIST_LOCAL_DEVICES"
@@ -155,17 +157,23 @@ def _slurm_bound_gpus(env: Mapping[str, str]) -> bool:
 def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
     """The step's tasks on this node: SLURM_STEP_TASKS_PER_NODE ('2(x3),1') at SLURM_NODEID, where both are set."""
     raw, node = env.get("SLURM_STEP_TASKS_PER_NODE", "").strip(), env.get("SLURM_NODEID", "").strip()
-    counts: list[int] = []
-    for part in raw.split(",") if raw else []:
-        count, _, repeat = part.partition("(x")
-        if not count.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
-            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={raw!r} is not of the form '2(x3),1'.")
-        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
-    if not counts:
+    if not raw:
         return None
+    counts = expand_tasks_per_node(raw)
     if len(set(counts)) == 1:
         return counts[0]
     return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
+def expand_tasks_per_node(value: str) -> list[int]:
+    """Expands SLURM_STEP_TASKS_PER_NODE (`2(x3),1` -> [2, 2, 2, 1]); ConfigError when malformed."""
+    try:
+        counts = hostlist.parse_slurm_tasks_per_node(value)
+    except (hostlist.BadHostlist, ValueError, TypeError) as err:
+        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={value!r} is not of the form '2(x3),1' ({err}).") from None
+    if not counts or any(c < 1 for c in counts):
+        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={value!r} must list at least one count >= 1.")
+    return counts
 
 
 def _whole(env: Mapping[str, str], name: str, *, minimum: int) -> int:
