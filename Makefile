@@ -86,9 +86,11 @@ demo: setup
 	$(BIN)/tfdist train --strategy mirrored --replicas 4 --epochs 5 --dataset mnist \
 	  --plot $(OUT)/curves.png --json $(OUT)/run.json --save $(OUT)/cnn.keras
 
+# --no-loadscope-reorder: xdist would otherwise run the units with the most tests first, which put the longest
+# units (few tests each) last and left one worker alone at the end; tests/conftest.py orders them longest first.
 test: setup system-deps horovod keras-hub
 	$(BIN)/pytest tests notebooks --nbmake --nbmake-timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadgroup \
-	  $(PYTEST_ARGS)
+	  --no-loadscope-reorder $(PYTEST_ARGS)
 
 # In-process tests only: builds nothing beyond the venv (no Horovod, no Debian packages).
 quick: setup

@@ -138,26 +138,29 @@ def _unit(item) -> str:
 
 
 # Units that take longest go first, so that neither worker is left with a long one at the end (longest first is
-# the classic rule for packing jobs on two machines). Minutes per unit under two workers, from `make test`'s
-# --durations (rounded; only the order matters). Units not listed follow in collection order: the doc blocks'
-# launches (a unit each, under a minute) among them, which keeps short units for the end.
+# the classic rule for packing jobs on two machines; `make test` passes --no-loadscope-reorder so that xdist keeps
+# this order). Minutes per unit under two workers, from a `make test` run's TFDIST_TEST_CPU_LOG (rounded; only the
+# order matters). Units not listed follow in collection order: the doc blocks' launches (a unit each, under a
+# minute) among them, which keeps short units for the end.
 UNIT_MINUTES = {
-    "memory": 9.3, "test_horovod_multiprocess.py": 5.7, "slurm": 5.2, "test_zero_multiworker.py": 5.0,
-    "test_tensor_parallel_clip.py": 4.7, "test_tensor_parallel_horovod.py": 4.2, "test_multiworker_cli.py": 4.1,
-    "test_zero3.py": 3.9, "test_tensor_parallel_zero.py": 3.9, "test_tensor_parallel_model_procs.py": 3.8,
-    "test_parameter_server.py": 3.7, "test_epoch_boundary.py": 3.7, "test_custom_loop_checkpoint.py": 3.4,
-    "test_zero_horovod.py": 3.4, "test_tensor_parallel_zero_horovod.py": 3.3, "test_comm_api.py": 2.9,
-    "test_tensor_parallel_procs.py": 2.9, "doc pages": 2.8, "test_multiworker_preemption.py": 2.7, "test_zero.py": 2.6,
-    "test_buckets.py": 2.5, "test_bench_allreduce_horovod_startup.py": 2.5, "test_multiworker_faults.py": 2.4,
-    "test_custom_loop.py": 2.1, "test_zero3_procs.py": 2.1, "test_zero3_pieces.py": 1.9,
-    "test_tensor_parallel_zero3.py": 1.8, "04_zero_cnn.ipynb": 1.6, "07_parameter_server.ipynb": 1.6,
-    "test_mirrored.py": 1.5, "test_tensor_parallel_pipeline.py": 1.4, "test_cli.py": 1.3,
-    "05_layer_placement_cnn.ipynb": 1.3, "test_pipeline.py": 1.3, "test_multiworker.py": 1.1,
-    "02_multiworker_cnn.ipynb": 1.1, "test_tensor_parallel.py": 1.0, "test_bench_allreduce_links.py": 0.9,
-    "test_bench_zero.py": 0.9, "test_horovod.py": 0.9, "test_zero_checkpoint.py": 0.9, "test_migration.py": 0.9,
-    "test_bench_straggler.py": 0.8, "test_uneven_data.py": 0.8, "06_tensor_parallel.ipynb": 0.8,
-    "test_bench_network_scaling.py": 0.8, "test_keras_distribution.py": 2.0, "test_gpu_check.py": 0.8,
-    "test_launch_nodes.py": 0.8,
+    "memory": 15.3, "test_tensor_parallel_zero.py": 8.4, "slurm": 8.0, "test_zero3.py": 7.6,
+    "test_tensor_parallel_horovod.py": 7.1, "doc pages": 6.9, "test_zero_multiworker.py": 6.7,
+    "test_tensor_parallel_procs.py": 6.1, "test_tensor_parallel_zero3.py": 5.7, "test_horovod_multiprocess.py": 5.7,
+    "test_tensor_parallel_model_procs.py": 5.5, "test_parameter_server.py": 5.4, "test_zero.py": 5.0,
+    "test_multiworker_cli.py": 4.8, "test_custom_loop_checkpoint.py": 4.3, "test_epoch_boundary.py": 4.3,
+    "test_tensor_parallel_zero_horovod.py": 4.2, "test_zero3_pieces.py": 4.1, "test_buckets.py": 4.0,
+    "test_comm_api.py": 3.9, "test_bench_allreduce_horovod_startup.py": 3.9, "test_zero_horovod.py": 3.8,
+    "test_zero3_procs.py": 3.7,
+    "test_tensor_parallel.py": 3.0, "test_multiworker_faults.py": 3.0, "test_tensor_parallel_clip.py": 2.9,
+    "test_multiworker_preemption.py": 2.8, "test_cli.py": 2.5, "test_custom_loop.py": 2.3,
+    "test_keras_distribution.py": 2.0, "test_pipeline.py": 1.7, "04_zero_cnn.ipynb": 1.6,
+    "07_parameter_server.ipynb": 1.6, "test_bench_zero.py": 1.5, "test_bench_straggler.py": 1.3,
+    "test_gpu_check.py": 1.3, "05_layer_placement_cnn.ipynb": 1.3, "test_keras_twins.py": 1.2,
+    "test_tensor_parallel_pipeline.py": 1.2, "test_multiworker.py": 1.2, "test_bench_allreduce_links.py": 1.2,
+    "test_mirrored.py": 1.1, "test_bench_network_scaling.py": 1.1, "02_multiworker_cnn.ipynb": 1.1,
+    "test_horovod.py": 1.0, "test_launch_nodes.py": 0.9, "test_uneven_data.py": 0.9, "test_train_zero.py": 0.9,
+    "test_migration.py": 0.9, "test_comm_hooks.py": 0.8, "06_tensor_parallel.ipynb": 0.8, "test_placement.py": 0.7,
+    "test_zero_checkpoint.py": 0.7, "test_cli_fast.py": 0.6, "test_zero_gradient_forms.py": 0.6,
 }
 
 

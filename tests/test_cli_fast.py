@@ -178,3 +178,13 @@ def test_every_option_of_every_command_is_in_the_cli_guide_and_the_guide_names_n
                     problems.append(f"tfdist {command}: the guide names {named}, which the command does not take: "
                                     f"{line.strip()[:100]}")
     assert not problems, "docs/cli.md against argparse:\n" + "\n".join(problems)
+
+
+def test_build_compiles_one_job_per_core_unless_told_otherwise(monkeypatch):
+    from tfdist.cli.build_horovod import build_jobs
+
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    # `make test` hands its own MAKEFLAGS down (no job count): Horovod would then compile one file at a time
+    assert build_jobs("w -- VERBOSE=1 PYTEST_ARGS=-rfEs\\ --durations=0") == "-j6"
+    assert build_jobs("") == "-j6"
+    assert build_jobs(" -j3 --jobserver-auth=3,4") == "-j3" and build_jobs("--jobs=5") == "-j5"

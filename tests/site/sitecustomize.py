@@ -33,3 +33,58 @@ class _KerasWithoutOptionalIntegrations:
 
 
 sys.meta_path.insert(0, _KerasWithoutOptionalIntegrations())
+
+
+# `TFDIST_TEST_PROC_LOG=FILE make test`: one JSON line per Python process the suite starts, written as it exits
+# normally: the test that started it (pytest's PYTEST_CURRENT_TEST, inherited), its own CPU seconds and those spent
+# importing TensorFlow and Keras. The suite is CPU-bound; this says how much of it is process starts.
+_PROC_LOG = __import__("os").environ.get("TFDIST_TEST_PROC_LOG")
+
+
+class _ImportClock:
+    """A meta-path finder that times the CPU of the first import of a few top-level packages, and finds nothing."""
+
+    def __init__(self, names):
+        self.names, self.cpu = set(names), {}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names or name in self.cpu:
+            return None
+        import importlib.machinery
+        import time
+
+        self.cpu[name] = None  # while it is found below, this finder stays out of the way
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run, clock = spec.loader.exec_module, self.cpu
+
+        def exec_module(module):
+            start = time.process_time()
+            try:
+                run(module)
+            finally:
+                clock[name] = round(time.process_time() - start, 2)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _log_process(clock) -> None:
+    import json
+    import os
+    import time
+
+    record = {"pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+              "argv": sys.argv[:3], "cpu_s": round(time.process_time(), 2),
+              "import_s": {k: v for k, v in clock.cpu.items() if v is not None}}
+    with open(_PROC_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if _PROC_LOG:
+    import atexit
+
+    _clock = _ImportClock(("tensorflow", "keras"))
+    sys.meta_path.insert(0, _clock)
+    atexit.register(_log_process, _clock)

@@ -131,6 +131,16 @@ def patch_source(src_dir: str) -> None:
     print(f"patched {path}: removed {count} line(s) naming xla_mpi_ops.cc", flush=True)
 
 
+def build_jobs(makeflags: str) -> str:
+    """MAKEFLAGS for Horovod's CMake build: the user's own `-jN` if it names one, else one job per core.
+
+    Under `make test` this process inherits the outer make's MAKEFLAGS (its options and command-line variables,
+    and no job count when make runs serially); Horovod's setup.py adds its own `-j` only when MAKEFLAGS is empty,
+    so passing that through would compile Horovod's sources one at a time."""
+    jobs = re.search(r"(?:^|\s)-j\s*(\d+)|--jobs=(\d+)", makeflags)
+    return f"-j{jobs.group(1) or jobs.group(2)}" if jobs else f"-j{os.cpu_count() or 1}"
+
+
 def build_wheel(cache_dir: str, gpu: bool) -> str:
     """Downloads the Horovod sdist, patches it, builds a wheel and stores it in the cache."""
     _check_tools(gpu)
@@ -146,7 +156,7 @@ def build_wheel(cache_dir: str, gpu: bool) -> str:
         src = os.path.join(tmp, f"horovod-{HOROVOD_VERSION}")
         patch_source(src)
         env = {**os.environ, **BUILD_ENV, **(GPU_ENV if gpu else {})}
-        env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
+        env["MAKEFLAGS"] = build_jobs(env.get("MAKEFLAGS", ""))
         # No build isolation: Horovod's CMake must see (and link against) the TensorFlow installed here.
         try:
             _pip("wheel", "--no-build-isolation", "--no-deps", "-w", os.path.join(tmp, "dist"), src, env=env)
