@@ -24,9 +24,10 @@ def tf_allocator_bytes(reset: bool = False) -> dict | None:
     """{"current", "peak"} bytes in TF's CPU allocator (None where TF keeps no statistics); `reset`
     starts a new peak after reading.
 
-    TF's oneDNN build (the default on x86) serves tensors of 256 KB and more from a BFC pool that
-    counts them exactly; that pool grows in regions and never shrinks, so process RSS follows the
-    pool's size (live tensors plus fragmentation) in steps of a region. With TF_ENABLE_ONEDNN_OPTS=0
+    With oneDNN (TF_ENABLE_ONEDNN_OPTS=1; TF's default only on CPUs with AVX-512 VNNI/BF16 or AMX), TF
+    serves tensors of 256 KB and more from a BFC pool that counts them exactly; that pool grows in regions
+    and never shrinks, so process RSS follows the pool's size (live tensors plus fragmentation) in steps of
+    a region. With TF_ENABLE_ONEDNN_OPTS=0
     tensors come from malloc and TF keeps no statistics.
     """
     import tensorflow as tf

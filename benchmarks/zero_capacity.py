@@ -133,7 +133,8 @@ def trial(stage: int, width: int, depth: int, steps: int, processes: int, cap_by
         start = time.perf_counter()
         rc = run_workers(module_command(MODULE, worker=True, group=prefix, stage=stage, width=width, depth=depth,
                                         steps=steps, local_devices=local_devices,
-                                        phases=width if phases else None), processes, out=out)
+                                        phases=width if phases else None), processes, out=out,
+                         env={"TF_ENABLE_ONEDNN_OPTS": "1"} if phases else None)  # TF's allocator statistics
         seconds = time.perf_counter() - start
         used = [usage(g) for g in groups]
     log = out.getvalue()

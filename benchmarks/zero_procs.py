@@ -12,14 +12,14 @@ import time
 STAGES = (0, 1, 2, 3)
 # launcher backend -> tfdist strategy name (tfdist.strategies.factory)
 STRATEGY_OF_BACKEND = {"horovod": "horovod", "tf": "multiworker"}
-# Each stage runs twice. "pooled": TF's default CPU allocator (oneDNN build: a BFC pool whose regions
-# double in size, 2 MiB up to 512 MiB, and are never returned), which gives the step time and TF's
-# own count of live bytes; its peak RSS moves in steps of a pool region, too coarse to show what
-# ZeRO saves on a model of this size. "returning": TF's plain CPU allocator (malloc) with glibc told to
+# Each stage runs twice. "pooled": oneDNN's CPU allocator (a BFC pool whose regions double in size, 2 MiB up
+# to 512 MiB, and are never returned; TF's default only on CPUs with AVX-512 VNNI/BF16 or AMX, so it is asked
+# for), which gives the step time and TF's own count of live bytes; its peak RSS moves in steps of a pool
+# region, too coarse to show what ZeRO saves on a model of this size. "returning": TF's plain CPU allocator (malloc) with glibc told to
 # map every block >= 1 MiB on its own and unmap it when freed (a fixed mmap threshold also stops
 # glibc's sliding one from keeping freed blocks in its heap), so peak RSS follows live memory.
 ALLOCATORS = {
-    "pooled": {},
+    "pooled": {"TF_ENABLE_ONEDNN_OPTS": "1"},
     "returning": {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(2**20)},
 }
 

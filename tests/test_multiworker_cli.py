@@ -82,7 +82,7 @@ def test_bench_zero_processes_measures_every_stage_under_both_allocators(tmp_pat
             ranks = record["per_rank"][allocator][stage]
             assert sorted(r["rank"] for r in ranks) == [0, 1]
             assert all(r["allocator"] == allocator and r["peak_rss_bytes"] > 0 for r in ranks)
-            # TF keeps allocator statistics only with its default (oneDNN) allocator
+            # TF keeps allocator statistics only with oneDNN's allocator (the pooled one)
             assert all(bool(r["tf_step_peak_bytes"]) == (allocator == "pooled") for r in ranks)
             assert all(r["report"]["stage"] == int(stage) for r in ranks)
     theory = record["savings"]["1"]["theoretical_bytes"]

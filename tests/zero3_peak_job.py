@@ -3,13 +3,15 @@
 Run: python tests/zero3_peak_job.py STAGE [keep] → prints one JSON line ("keep": stage 3 with
 reshard_after_forward=False). In its own process, so that the
 allocator holds only this run's tensors. TF's oneDNN CPU allocator counts every tensor of 256 KiB and
-more (the weights, gradients and optimizer state here; not the small activations).
+more (the weights, gradients and optimizer state here; not the small activations); it is asked for, as TF turns
+oneDNN on by itself only on CPUs with AVX-512 VNNI/BF16 or AMX, and without it TF keeps no statistics.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -19,6 +21,7 @@ import tfdist
 WIDTH, DEPTH, REPLICAS = 512, 6, 4
 
 if __name__ == "__main__":
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"  # before TensorFlow starts
     stage = int(sys.argv[1])
     tfdist.devices.virtual_cpus(REPLICAS)
     import keras

@@ -12,7 +12,7 @@ A TF or Keras upgrade should only have to revisit the modules listed here. The s
 - `captured_inputs`: tensors a `tf.custom_gradient` block reads by closure;
 - `tf_runtime`: the TF runtime (eager context, coordination service, call-time values in tf.function,
   run metadata, profiler protos, checkpoint tracking, graph ops, tf.data internals, per-thread
-  strategy stacks).
+  strategy stacks, whether oneDNN is on).
 
 A capability's own reaches sit in a private module of its package, each importing this package first (so the
 version check runs before them):

@@ -11,10 +11,11 @@ import tensorflow as tf
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2 as _coordination_pb2
 from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.training.saving import saveable_object as _saveable_object
+from tensorflow.python.util import _pywrap_util_port
 
 __all__ = ["SavedTensor", "add_control_inputs", "call_time_value", "configure_coordination", "context_initialized",
-           "dataset_batch_size", "executed_partition_devices", "executed_partition_graphs", "outside_any_strategy",
-           "partition_devices", "xspace_proto"]
+           "dataset_batch_size", "executed_partition_devices", "executed_partition_graphs", "onednn_enabled",
+           "outside_any_strategy", "partition_devices", "xspace_proto"]
 
 T = TypeVar("T")
 
@@ -22,6 +23,13 @@ T = TypeVar("T")
 def context_initialized() -> bool:
     """True once TensorFlow has created its runtime (device list fixed, collectives no longer configurable)."""
     return bool(_eager_context.context()._initialized)
+
+
+def onednn_enabled() -> bool:
+    """Whether this TensorFlow runs its CPU kernels and CPU allocator through oneDNN. TF turns it on by itself only
+    on CPUs with AVX-512 VNNI/BF16 or AMX (`TF_ENABLE_ONEDNN_OPTS` decides otherwise); without it there are no CPU
+    allocator statistics, and bfloat16 matmuls round their partial sums to bfloat16."""
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def configure_coordination(leader: str, jobs: dict[str, int], *, register_timeout_s: float,
