@@ -19,6 +19,11 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 # adds threads that wait for a core and spin. Ops on different devices still run side by side (the inter-op pool
 # is left as it is). Measured in docs/benchmarks.md (figures from the test suite).
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+# TensorFlow's oneDNN CPU kernels and allocator in every TensorFlow the suite starts. TF turns them on by itself
+# only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (AVX2 machines) its plain allocator maps and unmaps every
+# large tensor: a ZeRO-3 memory trial took 63 CPU-s (23 of them in the kernel) instead of 34. With it every CI
+# machine runs the same kernels and allocator, so figures, allocator statistics and tolerances mean the same.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # The suite runs on logical CPUs, also on a machine with GPUs: the launcher would otherwise give each worker its
 # own GPUs (and refuse jobs that want more than there are), and the references are one CPU device. The GPU paths
 # have their own check: `make gpu-check`.
