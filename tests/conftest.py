@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -43,6 +44,65 @@ import tfdist  # noqa: E402
 # or a TensorFlow that is not yet initialised, run in a subprocess (run_python below).
 REPLICAS = 4
 tfdist.devices.virtual_cpus(REPLICAS)
+
+
+# Each pytest worker keeps a zygote: a Python that has imported TensorFlow and Keras and forks the programs of the
+# processes the suite starts, which would otherwise each pay that import (tests/site/tfdist_test_zygote.py).
+# TFDIST_TEST_ZYGOTE=0 turns it off. The zygote is started once a worker runs its first test (not in xdist's
+# controller); processes started while it imports start fresh.
+_ZYGOTE_OFF = os.environ.get("TFDIST_TEST_ZYGOTE") == "0"
+# Set now, before test modules copy os.environ into their own environments; the folder exists once the zygote
+# is started (until then, and in xdist's controller, every process starts fresh).
+_ZYGOTE_FOLDER = os.path.join(tempfile.gettempdir(), f"tfdist-zygote-{os.getpid()}")
+if _ZYGOTE_OFF:
+    os.environ.pop("TFDIST_TEST_ZYGOTE")
+else:
+    os.environ["TFDIST_TEST_ZYGOTE"] = os.path.join(_ZYGOTE_FOLDER, "socket")
+_zygote_cpu_file: str | None = None
+
+
+@pytest.fixture(scope="module")
+def fresh_processes():
+    """For a module whose tests read their workers' own state by PID (CPU time, a SIGSTOP they gave themselves):
+    every process its tests start is a fresh Python, not a fork of the zygote behind a stand-in PID. Use it as
+    `pytestmark = pytest.mark.usefixtures("fresh_processes")`."""
+    os.environ["TFDIST_TEST_FRESH_PROCESS"] = "1"
+    yield
+    os.environ.pop("TFDIST_TEST_FRESH_PROCESS", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote():
+    global _zygote_cpu_file
+    if _ZYGOTE_OFF:
+        yield
+        return
+    import shutil
+
+    shutil.rmtree(_ZYGOTE_FOLDER, ignore_errors=True)
+    os.makedirs(_ZYGOTE_FOLDER)
+    path, _zygote_cpu_file = os.environ["TFDIST_TEST_ZYGOTE"], os.path.join(_ZYGOTE_FOLDER, "cpu")
+    env = {k: v for k, v in os.environ.items() if k != "TFDIST_TEST_ZYGOTE"}
+    with open(os.path.join(_ZYGOTE_FOLDER, "log"), "wb") as log:
+        server = subprocess.Popen([sys.executable, os.path.join(SITE, "tfdist_test_zygote.py"), path,
+                                   _zygote_cpu_file], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                  start_new_session=True)
+    with open(os.path.join(_ZYGOTE_FOLDER, "pid"), "w") as f:
+        f.write(str(server.pid))  # processes started while it imports wait for it (tfdist_test_zygote.py)
+    try:
+        yield
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(_ZYGOTE_FOLDER, ignore_errors=True)
+
+
+def _zygote_cpu_seconds() -> float:
+    try:
+        with open(_zygote_cpu_file) as f:
+            return float(f.read())
+    except (TypeError, OSError, ValueError):
+        return 0.0
 
 
 def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = None, check: bool = True):
@@ -194,7 +254,7 @@ def _cpu_seconds() -> float:
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _zygote_cpu_seconds()
 
 
 def _cpu_logged(phase: str):

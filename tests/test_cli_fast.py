@@ -19,6 +19,9 @@ import pytest
 from tfdist.cli.names import DATASET_NAMES, STRATEGY_NAMES
 from tfdist.tf_logs import kept_lines
 
+# What a fresh process imports is the point here: no fork of the suite's pre-imported zygote.
+pytestmark = pytest.mark.usefixtures("fresh_processes")
+
 REPO = Path(__file__).resolve().parents[1]
 NOT_A_MODEL, A_DIRECTORY = str(REPO / "README.md"), str(REPO / "docs")
 

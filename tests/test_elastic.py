@@ -24,6 +24,8 @@ from tfdist.cluster.launcher import launch
 from tfdist.errors import ConfigError
 
 PY = sys.executable
+# Workers here SIGSTOP themselves and the launcher reads their state by PID: fresh processes, no stand-ins.
+pytestmark = pytest.mark.usefixtures("fresh_processes")
 JOB = Path(__file__).with_name("elastic_job.py")
 EPOCHS = 5
 # Round 0: worker 1 SIGKILLs itself in epoch 2 (index); round 1: worker STOP_RANK SIGSTOPs itself in epoch 3.

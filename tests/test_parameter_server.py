@@ -24,6 +24,8 @@ from tfdist.cluster.ports import free_ports
 
 JOB = str(Path(__file__).with_name("ps_job.py"))
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+# The tests read their processes' CPU time by PID: fresh processes, no stand-ins.
+pytestmark = pytest.mark.usefixtures("fresh_processes")
 
 
 class _Lines(io.TextIOBase):

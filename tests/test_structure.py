@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import pathlib
 
 import pytest
@@ -223,7 +224,8 @@ def test_launcher_table_and_tf_config_parser_load_without_tensorflow():
 
     code = ("import sys, tfdist.cluster, tfdist.comm.launch_env, tfdist.comm.tf_config;"
             "print(sorted(m for m in sys.modules if m.startswith(('tensorflow', 'keras'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    fresh = {**os.environ, "TFDIST_TEST_FRESH_PROCESS": "1"}  # not a fork of the suite's pre-imported zygote
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=fresh).stdout
     assert out.strip() == "[]", out
     assert not (ROOT / "cluster" / "env.py").exists() and not (ROOT / "cluster" / "tf_config.py").exists()
 

@@ -88,3 +88,11 @@ if _PROC_LOG:
     _clock = _ImportClock(("tensorflow", "keras"))
     sys.meta_path.insert(0, _clock)
     atexit.register(_log_process, _clock)
+
+
+# A process the suite starts runs its program in a fork of its pytest worker's zygote, which has imported
+# TensorFlow and Keras already (tfdist_test_zygote.py says how, and when a process starts fresh instead).
+if __import__("os").environ.get("TFDIST_TEST_ZYGOTE"):
+    import tfdist_test_zygote
+
+    tfdist_test_zygote.stand_in()
