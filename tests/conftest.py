@@ -87,8 +87,6 @@ def _zygote():
         server = subprocess.Popen([sys.executable, os.path.join(SITE, "tfdist_test_zygote.py"), path,
                                    _zygote_cpu_file], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                   start_new_session=True)
-    with open(os.path.join(_ZYGOTE_FOLDER, "pid"), "w") as f:
-        f.write(str(server.pid))  # processes started while it imports wait for it (tfdist_test_zygote.py)
     try:
         yield
     finally:

@@ -23,6 +23,9 @@ from benchmarks import zero_cgroups
 from tfdist.cluster.launcher import launch
 
 HERE = Path(__file__).parent
+# Each process joins its memory-capped cgroup itself, and must be charged for all it holds, TensorFlow's
+# import included: fresh processes, not forks of the suite's zygote (whose pages are charged where it lives).
+pytestmark = pytest.mark.usefixtures("fresh_processes")
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 PS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(4)]
 

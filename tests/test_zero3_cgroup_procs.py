@@ -17,6 +17,9 @@ from benchmarks.zero_cgroups import unavailable
 # Psi = 6 * 3072^2 + ... = 56.6 M. Measured per process (2026-11-24), uncapped: stage 0 ~2.2 GB; stage 3 ~1.6 GB
 # at N = 2, ~1.1 GB at N = 4. About 4 min (N = 2) and 2.5 min (N = 4) on this 2-core box.
 WIDTH, DEPTH, STEPS = 3072, 6, 3
+# Each process joins its memory-capped cgroup itself, and must be charged for all it holds, TensorFlow's
+# import included: fresh processes, not forks of the suite's zygote (whose pages are charged where it lives).
+pytestmark = pytest.mark.usefixtures("fresh_processes")
 
 
 @pytest.fixture(scope="module")

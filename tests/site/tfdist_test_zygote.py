@@ -119,22 +119,6 @@ def _fresh(why: str) -> None:
                                 "test": os.environ.get("PYTEST_CURRENT_TEST", "")}) + "\n")
 
 
-def _wait_for_the_zygote(path: str, limit_s: float = 60.0) -> None:
-    """While the zygote is still importing (its socket appears once it is done), waiting costs no CPU and a
-    fresh start would cost that import again, on a machine busy with the zygote's own."""
-    import time
-
-    deadline = time.monotonic() + limit_s
-    pid_file = os.path.join(os.path.dirname(path), "pid")
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        try:
-            with open(pid_file) as f:
-                os.kill(int(f.read()), 0)
-        except (OSError, ValueError):
-            return  # no zygote starting
-        time.sleep(0.1)
-
-
 def stand_in() -> None:
     """Runs this process's program in a fork of the zygote and exits with its status; returns at once (the
     process then starts as usual) when the zygote is absent or cannot run it faithfully."""
@@ -145,7 +129,6 @@ def stand_in() -> None:
     streams = _std_streams()
     if streams is None:
         return _fresh("open files: " + " ".join(sorted(os.listdir("/proc/self/fd"))))
-    _wait_for_the_zygote(path)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
@@ -219,6 +202,22 @@ def _enter_network_of(pid: int) -> None:
     os.close(fd)
 
 
+def _join_cgroups(listing: str) -> None:
+    """Moves this process into the cgroups of a /proc/PID/cgroup listing (v1 hierarchies and v2)."""
+    for line in listing.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers:  # a v1 hierarchy, mounted under its controllers' names
+            mount = os.path.join("/sys/fs/cgroup", controllers.replace("name=", ""))
+        else:  # v2: beside v1 hierarchies, or alone
+            mount = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
+        folder = os.path.join(mount, path.lstrip("/"))
+        try:
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
+
+
 def _become(request: dict, fds: list[int]) -> None:
     """In the fork: take the stand-in's streams, environment, directory and argv, run its program and exit as
     the interpreter would have (raises SystemExit, which unwinds the zygote's loop in this process only)."""
@@ -248,10 +247,22 @@ def _become(request: dict, fds: list[int]) -> None:
     except ProcessLookupError:
         os._exit(1)
 
+    stand_in_cgroup = f"/proc/{request['stand_in']}/cgroup"
+
     def die_with_the_stand_in():
         import select
 
-        select.select([watch], [], [])  # readable once the stand-in has exited (killed: it waits for us otherwise)
+        joined = request["context"]["cgroup"]
+        # readable once the stand-in has exited (killed: it waits for us otherwise)
+        while not select.select([watch], [], [], 0.2)[0]:
+            try:
+                with open(stand_in_cgroup) as f:
+                    now = f.read()
+            except OSError:
+                continue
+            if now != joined:  # moved by PID (a CPU-quota group of a benchmark): the program goes with it
+                _join_cgroups(now)
+                joined = now
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=die_with_the_stand_in, name="zygote-stand-in-watch", daemon=True).start()
@@ -285,10 +296,10 @@ def _become(request: dict, fds: list[int]) -> None:
             main = sys.modules["__main__"] = types.ModuleType("__main__")
             exec(compile(program["code"], "<string>", "exec"), main.__dict__)
     except SystemExit:
-        raise
+        raise  # the interpreter ends the program as it would have: atexit handlers, then its usual finalization
     except BaseException as error:
         tb = error.__traceback__  # as a fresh interpreter shows it: without this file's and runpy's frames
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        while tb is not None and tb.tb_frame.f_code.co_filename in (_become.__code__.co_filename, runpy.__file__):
             tb = tb.tb_next
         sys.excepthook(type(error), error, tb)
         if isinstance(error, KeyboardInterrupt):
@@ -301,11 +312,16 @@ def _become(request: dict, fds: list[int]) -> None:
 def serve(path: str, cpu_file: str) -> None:
     """Imports TensorFlow and Keras, then forks a program for every stand-in that connects to `path`; the CPU
     seconds of every fork it has reaped are kept in `cpu_file` (the suite's CPU log adds them)."""
+    import gc
     import threading
 
     import keras  # noqa: F401
     import tensorflow  # noqa: F401
 
+    # The imported modules' objects go to the collector's permanent generation: a fork's collections never scan
+    # them (nor copy their pages to update them), and its exit is as quick as a fresh process's (a last
+    # collection over them took 1.7 s).
+    gc.freeze()
     own = _context()
     lock, reaped = threading.Lock(), [0.0]
     parent = os.pidfd_open(os.getppid())
