@@ -1,14 +1,14 @@
 """Process starts for the suite from an interpreter that has already imported TensorFlow and Keras.
 
 Every Python the suite starts used to import TensorFlow and Keras before its first line of work, and the suite
-starts several hundred: those imports were about a quarter of its CPU (tests/site/sitecustomize.py's process log
-says how much). So each pytest worker keeps a *zygote*: a Python that has imported both (TensorFlow imported,
-not started: no context, no server, none of its threads) and waits on a Unix socket. A process the suite starts
-asks it first thing, from sitecustomize, before it has imported anything; the zygote forks, and the fork takes
-the asker's argv, environment, working directory and standard streams, leads its own process group and runs the
-program. The asker stays as the program's stand-in: it forwards every signal it receives to the fork, the fork
-kills itself (and its group) if the stand-in dies, and the stand-in exits with the fork's status. To its parent
-(a launcher, mpirun, a test) it is the program.
+starts several hundred: those imports were a large share of its CPU (tests/site/sitecustomize.py's process log
+says how much; docs/benchmarks.md has the figures). So each pytest worker keeps a *zygote*: a Python that has
+imported both (TensorFlow imported, not started: no context, no server, none of its threads) and waits on a Unix
+socket. A process the suite starts asks it first thing, from sitecustomize, before it has imported anything; the
+zygote forks, and the fork takes the asker's argv, environment, working directory and standard streams, leads its
+own process group and runs the program. The asker stays as the program's stand-in: it forwards every signal it
+receives to the fork, the fork kills itself (and its group) if the stand-in dies, and the stand-in exits with the
+fork's status. To its parent (a launcher, mpirun, a test) it is the program.
 
 A process starts fresh, as before, unless everything that matters before a program's first line is the
 zygote's: the interpreter, the environment variables Python, TensorFlow and Keras read while starting (PYTHONPATH
@@ -319,8 +319,8 @@ def serve(path: str, cpu_file: str) -> None:
     import tensorflow  # noqa: F401
 
     # The imported modules' objects go to the collector's permanent generation: a fork's collections never scan
-    # them (nor copy their pages to update them), and its exit is as quick as a fresh process's (a last
-    # collection over them took 1.7 s).
+    # them (nor copy their pages to update them), and its exit does not end with a last collection over them,
+    # which made every fork, however short its program, take seconds to exit.
     gc.freeze()
     own = _context()
     lock, reaped = threading.Lock(), [0.0]
