@@ -48,11 +48,10 @@ tfdist.devices.virtual_cpus(REPLICAS)
 
 # Each pytest worker keeps a zygote: a Python that has imported TensorFlow and Keras and forks the programs of the
 # processes the suite starts, which would otherwise each pay that import (tests/site/tfdist_test_zygote.py).
-# TFDIST_TEST_ZYGOTE=0 turns it off. The zygote is started once a worker runs its first test (not in xdist's
-# controller); processes started while it imports start fresh.
+# TFDIST_TEST_ZYGOTE=0 turns it off. The socket's path is set now, before test modules copy os.environ into their
+# own environments; the zygote behind it starts with a worker's first test (not in xdist's controller), and
+# processes started before it has imported start fresh.
 _ZYGOTE_OFF = os.environ.get("TFDIST_TEST_ZYGOTE") == "0"
-# Set now, before test modules copy os.environ into their own environments; the folder exists once the zygote
-# is started (until then, and in xdist's controller, every process starts fresh).
 _ZYGOTE_FOLDER = os.path.join(tempfile.gettempdir(), f"tfdist-zygote-{os.getpid()}")
 if _ZYGOTE_OFF:
     os.environ.pop("TFDIST_TEST_ZYGOTE")
@@ -63,9 +62,10 @@ _zygote_cpu_file: str | None = None
 
 @pytest.fixture(scope="module")
 def fresh_processes():
-    """For a module whose tests read their workers' own state by PID (CPU time, a SIGSTOP they gave themselves):
-    every process its tests start is a fresh Python, not a fork of the zygote behind a stand-in PID. Use it as
-    `pytestmark = pytest.mark.usefixtures("fresh_processes")`."""
+    """Every process a module's tests start is a fresh Python, not a fork of the zygote behind a stand-in: for
+    tests that read their workers' own state by PID (CPU time, a SIGSTOP they gave themselves), check what a
+    fresh process imports, or whose processes join a memory-capped cgroup themselves (a fork's TensorFlow pages
+    are charged to the zygote's). Use it as `pytestmark = pytest.mark.usefixtures("fresh_processes")`."""
     os.environ["TFDIST_TEST_FRESH_PROCESS"] = "1"
     yield
     os.environ.pop("TFDIST_TEST_FRESH_PROCESS", None)
@@ -104,7 +104,8 @@ def _zygote_cpu_seconds() -> float:
 
 
 def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = None, check: bool = True):
-    """Runs `code` in a fresh Python (fresh TensorFlow) and returns the CompletedProcess."""
+    """Runs `code` in a new Python process (TensorFlow not yet started: a fork of the zygote where it can be) and
+    returns the CompletedProcess."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env)

@@ -124,8 +124,10 @@ def stand_in() -> None:
     process then starts as usual) when the zygote is absent or cannot run it faithfully."""
     path = os.environ.get(SOCKET_ENV)
     program = _program(list(getattr(sys, "orig_argv", ())))
-    if not path or os.environ.get(FRESH_ENV) == "1" or program is None:
-        return _fresh("not a program for the zygote" if path else "no zygote")
+    if not path:
+        return None
+    if os.environ.get(FRESH_ENV) == "1" or program is None:
+        return _fresh("asked to start fresh" if program else "not a program for the zygote")
     streams = _std_streams()
     if streams is None:
         return _fresh("open files: " + " ".join(sorted(os.listdir("/proc/self/fd"))))
@@ -374,6 +376,7 @@ def serve(path: str, cpu_file: str) -> None:
         if pid == 0:
             server.close()
             conn.close()
+            os.close(parent)  # the program gets no descriptor of the zygote's
             _become(request, fds)
         for fd in fds:
             os.close(fd)
