@@ -7,6 +7,7 @@ shard. Every strategy must skip the same step and keep the same scale as one dev
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import tfdist
 
@@ -63,3 +64,122 @@ def test_a_step_whose_gradient_overflows_on_one_replica_is_skipped_by_all_at_eve
         assert (got_scale, got_iterations) == (scale, iterations), name
         for a, b in zip(got, weights):
             np.testing.assert_allclose(a, b, atol=5e-5, err_msg=name)
+
+
+# --- grad_dtype: the dtype the gradients are summed in across replicas ------------------------------------------
+
+def dyadic_step(strategy, grad_dtype_policy: str = "float32") -> np.ndarray:
+    """One SGD step of a bias-free Dense(2) on 8 samples whose values have few significant bits: each replica's
+    gradient is exact in float32 but needs more bits than bfloat16 (8) or float16 (11) hold, so the dtype of the
+    sum shows in the updated kernel, and rounding is the same on every CPU (no float32 rounding anywhere)."""
+    import keras
+
+    x, y, w0 = dyadic_data()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+            2, use_bias=False, kernel_initializer=keras.initializers.Constant(w0))])
+        model.compile(keras.optimizers.SGD(1 / 16), "mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()[0]
+
+
+def dyadic_data():
+    rng = np.random.RandomState(3)
+    x = rng.randint(-64, 64, size=(8, 3)) / 16
+    w0 = rng.randint(-64, 64, size=(3, 2)) / 16
+    y = rng.randint(-64, 64, size=(8, 2)) / 16
+    return x.astype("float32"), y.astype("float32"), w0.astype("float32")
+
+
+def expected_kernel(sum_dtype) -> np.ndarray:
+    """Keras' step on 2 replicas of 4 samples, by hand: replica r's gradient of its mse / 2 (Keras divides each
+    replica's loss by the number of replicas) is x_r^T (x_r w - y_r) / 8; each is cast to `sum_dtype`, summed and
+    rounded in it, cast back."""
+    import tensorflow as tf
+
+    x, y, w0 = (a.astype("float64") for a in dyadic_data())
+    grads = [x[r * 4:(r + 1) * 4].T @ (x[r * 4:(r + 1) * 4] @ w0 - y[r * 4:(r + 1) * 4]) / 8 for r in (0, 1)]
+    summed = tf.cast(tf.add(*[tf.cast(g, sum_dtype) for g in grads]), tf.float64).numpy()
+    return (w0 - summed / 16).astype("float32")
+
+
+def test_grad_dtype_sums_the_gradients_in_that_dtype_at_every_stage():
+    import tensorflow as tf
+
+    two = ["/cpu:0", "/cpu:1"]
+    exact = expected_kernel(tf.float64)
+    for sum_dtype in (tf.bfloat16, tf.float16):
+        assert not np.array_equal(expected_kernel(sum_dtype), exact)  # the data tells the sums apart
+    runs = {(stage, None): tf.float64 for stage in (0, 2)}  # None: float32 gradients summed in float32, exactly
+    runs.update({(stage, "bfloat16"): tf.bfloat16 for stage in (0, 1, 2, 3)})
+    runs.update({(stage, "float16"): tf.float16 for stage in (0, 3)})
+    for (stage, grad_dtype), sum_dtype in runs.items():
+        strategy = tfdist.MirroredStrategy(two, zero_stage=stage, grad_dtype=grad_dtype)
+        np.testing.assert_array_equal(dyadic_step(strategy), expected_kernel(sum_dtype),
+                                      err_msg=f"zero_stage={stage}, grad_dtype={grad_dtype}")
+
+
+def test_grad_dtype_under_mixed_bfloat16_equals_one_device_and_bad_values_are_config_errors():
+    import keras
+    import tensorflow as tf
+
+    from tfdist.errors import ConfigError
+
+    x, y, _ = model_and_data()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        results = {}
+        for name, make in {"one device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+                           "stage 0": lambda: tfdist.MirroredStrategy(grad_dtype="bfloat16"),
+                           "stage 3": lambda: tfdist.MirroredStrategy(zero_stage=3, grad_dtype="bfloat16")}.items():
+            with make().scope():
+                keras.utils.set_random_seed(5)
+                model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                          keras.layers.Dense(3, dtype="float32")])
+                model.compile(keras.optimizers.Adam(0.01), "mse")
+            model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+            assert all(v.dtype == "float32" for v in model.trainable_variables), name  # float32 master weights
+            results[name] = model.get_weights()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for name in ("stage 0", "stage 3"):
+        for a, b in zip(results[name], results["one device"]):
+            np.testing.assert_allclose(a, b, atol=2e-2, err_msg=name)  # bfloat16 sums: 8 bits of mantissa
+
+    for bad in ("int8", 3, "float8", "half-ish"):
+        with pytest.raises(ConfigError, match=r"^grad_dtype must be a floating dtype.*got"):
+            tfdist.MirroredStrategy(grad_dtype=bad)
+    strategy = tfdist.MirroredStrategy(grad_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="register_comm_hook: this strategy sums gradients in grad_dtype=bfloat16"):
+        strategy.register_comm_hook("fp16")
+
+
+@pytest.mark.slow
+def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
+    """2 processes, one device each: Horovod at stages 0, 2 and 3 (its all-reduce and all-to-all have no bfloat16
+    kernel: the bits travel as another 2-byte type and are summed after), and MultiWorkerMirroredStrategy at
+    stage 2 (TF's all-to-all reduce-scatter). Each rank's kernel is the hand-computed one of the wire dtype."""
+    import io
+    import json
+    import os
+    import sys
+
+    import tensorflow as tf
+
+    from tfdist.cluster.launcher import launch
+
+    job = os.path.join(os.path.dirname(__file__), "grad_dtype_job.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    runs = {"horovod": ["0:bfloat16", "2:bfloat16", "3:float16"], "tf": ["2:bfloat16"]}
+    for backend, tags in runs.items():
+        out, log = tmp_path / backend, io.StringIO()
+        out.mkdir()
+        rc = launch([sys.executable, job, str(out), backend, *tags], 2, backend=backend, env=env, out=log,
+                    timeout_s=240)
+        assert rc == 0, log.getvalue()[-3000:]
+        for rank in (0, 1):
+            record = json.loads((out / f"rank{rank}.json").read_text())
+            for tag in tags:
+                wire = {"bfloat16": tf.bfloat16, "float16": tf.float16}[tag.split(":")[1]]
+                np.testing.assert_array_equal(np.array(record[tag], "float32"), expected_kernel(wire),
+                                              err_msg=f"{backend} rank {rank} {tag}")

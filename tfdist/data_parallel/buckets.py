@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdist.comm.sum_dtype import summed_in
 from tfdist.errors import ConfigError
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "GradBucket", "GradientPath", "plan_buckets"]
@@ -100,10 +101,13 @@ class GradientPath:
         26214400
     """
 
-    def __init__(self, cap_mb: float, num_replicas: int, hook: Callable | None = None):
-        self.cap_bytes = int(cap_mb * 1024 * 1024)
+    def __init__(self, cap_mb: float | None, num_replicas: int, hook: Callable | None = None,
+                 sum_dtype: tf.DType | None = None):
+        # None: no cap, one bucket per dtype after the whole backward (how `grad_dtype` alone reduces)
+        self.cap_bytes = None if cap_mb is None else int(cap_mb * 1024 * 1024)
         self.num_replicas = num_replicas
         self.hook = hook
+        self.sum_dtype = sum_dtype  # without a hook: each bucket summed in this dtype (None: the gradients')
         self.wire_bytes = 0
         self.gradient_bytes = 0
         self.buckets: list[list[int]] = []
@@ -115,7 +119,8 @@ class GradientPath:
         if min(sizes) < 0:  # unknown shapes cannot be planned: one bucket
             plan = [list(reversed(range(len(first))))]
         else:
-            plan = plan_buckets(sizes, [g.dtype for g in first], self.cap_bytes)
+            cap = sum(sizes) * 8 + 1 if self.cap_bytes is None else self.cap_bytes
+            plan = plan_buckets(sizes, [g.dtype for g in first], cap)
         self.buckets, self.wire_bytes = plan, 0
         self.gradient_bytes = sum(max(s, 0) * g.dtype.size for s, g in zip(sizes, first))
         out: list[list[tf.Tensor | None]] = [[None] * len(first) for _ in devices]
@@ -127,7 +132,8 @@ class GradientPath:
                     buffers.append(tf.concat([tf.reshape(g, [-1]) for g in grads[d]], axis=0))
             bucket = GradBucket(index, buffers, grads, list(devices), list(members), self.num_replicas,
                                 _all_reduce=all_reduce, _count=self._count)
-            summed = self.hook(bucket) if self.hook is not None else bucket.all_reduce(buffers)
+            summed = (self.hook(bucket) if self.hook is not None
+                      else summed_in(self.sum_dtype, buffers, bucket.all_reduce, devices))
             summed = _checked(self.hook, bucket, summed)
             for d, device in enumerate(devices):
                 with tf.device(device):

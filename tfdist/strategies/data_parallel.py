@@ -15,6 +15,7 @@ from tfdist.zero.config import SUPPORTED_STAGES, ZeroConfig, check_options, chec
 from tfdist.zero.memory import MemoryReport, memory_report
 from tfdist._compat import keras_optimizer
 from tfdist._compat.keras_model import model_of_step, step_objects
+from tfdist.comm.sum_dtype import check_sum_dtype
 from tfdist.data_parallel import _no_sync as grad_accumulate
 from tfdist.data_parallel.buckets import DEFAULT_BUCKET_CAP_MB, GradientPath
 from tfdist.data_parallel.comm_hooks import hook_from
@@ -49,6 +50,7 @@ class DataParallel:
     uneven_data: str = "stop"
     _uneven: UnevenData | None = None
     gradient_path: GradientPath | None = None
+    grad_dtype: tf.DType | None = None  # the dtype gradients are summed in across replicas (None: their own)
     _no_sync_depth: int = 0
 
     def _check_zero_options(self, zero_stage, offload, fsdp_unit_bytes=None, reshard_after_forward: bool = True,
@@ -59,11 +61,17 @@ class DataParallel:
         self._stage3_options = {"unit_bytes": fsdp_unit_bytes, "reshard_after_forward": reshard_after_forward,
                                 "prefetch": fsdp_prefetch}
 
+    def _check_grad_dtype(self, grad_dtype) -> None:
+        """Checks `grad_dtype` (before the strategy starts anything); `_register_sharding` and
+        `_attach_gradient_path` then sum the gradients in it."""
+        self.grad_dtype = check_sum_dtype(grad_dtype, "grad_dtype")
+
     def _register_sharding(self, make_collectives: Callable[[], ShardCollectives], host_device: str | None = None):
         config = None
         if self.zero_stage:
             extra = {} if host_device is None else {"host_device": host_device}
-            config = ZeroConfig(self.zero_stage, self.offload, make_collectives(), **extra)
+            config = ZeroConfig(self.zero_stage, self.offload, make_collectives(), grad_dtype=self.grad_dtype,
+                                **extra)
         register_strategy(self, config)
         if self.zero_stage == 3:
             configure_stage3(self, **self._stage3_options)
@@ -95,9 +103,10 @@ class DataParallel:
 
     def _attach_gradient_path(self, bucket_cap_mb: float | None) -> None:
         """Routes the step's gradient all-reduce through buckets of `bucket_cap_mb` (None: the stock path, until
-        a hook is registered). The extended is a `tfdist.data_parallel._grad_path` class."""
-        if bucket_cap_mb is not None:
-            self.gradient_path = GradientPath(bucket_cap_mb, self.num_replicas_in_sync)
+        a hook is registered, or one bucket per dtype summed in `grad_dtype`). The extended is a
+        `tfdist.data_parallel._grad_path` class. ZeRO sums in `grad_dtype` its own way (its ZeroConfig)."""
+        if bucket_cap_mb is not None or (self.grad_dtype is not None and not self.zero_stage):
+            self.gradient_path = GradientPath(bucket_cap_mb, self.num_replicas_in_sync, sum_dtype=self.grad_dtype)
             self.extended.gradient_router = self.gradient_path
 
     def set_bucket_cap(self, bucket_cap_mb: float | None) -> None:
@@ -130,6 +139,10 @@ class DataParallel:
             raise ConfigError(f"register_comm_hook: communication hooks apply at zero_stage=0 only; this strategy has "
                               f"zero_stage={self.zero_stage}, whose gradients are reduce-scattered to their shards' "
                               "owners (and ZeRO-1 needs the exact sum). Create the strategy with zero_stage=0.")
+        if self.grad_dtype is not None:
+            raise ConfigError(f"register_comm_hook: this strategy sums gradients in grad_dtype={self.grad_dtype.name}, "
+                              "and a hook decides how they travel too; use one of them (the 'bf16' and 'fp16' hooks "
+                              "are grad_dtype='bfloat16' / 'float16' in buckets).")
         hook = hook_from(hook)
         if self.gradient_path is None:
             self._attach_gradient_path(DEFAULT_BUCKET_CAP_MB)

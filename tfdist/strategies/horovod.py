@@ -64,6 +64,10 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
         save_timeout_s: with zero_stage > 0, how long a read of sharded state outside tfdist's savers (a save,
             `get_weights` at stage 3) waits for every rank to make the same read.
+        grad_dtype: None (default: gradients summed across replicas in their own dtype, float32 under Keras'
+            mixed policies) or 'bfloat16' / 'float16' / 'float32': cast to it for the sum and back after (half the
+            bytes per step in 16 bits); at every zero_stage (ZeRO reduce-scatters in
+            it); not with `compression` or op='adasum'.
 
     Example (run with `horovodrun -np 2 python train.py`):
         >>> import keras, tfdist
@@ -98,11 +102,17 @@ class HorovodStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrored
         fsdp_prefetch: bool = False,
         save_timeout_s: float = 60.0,
         cycle_time_ms: float | None = None,
+        grad_dtype: str | tf.DType | None = None,
     ):
         check_options(compression, op)
         self.save_timeout_s = check_seconds(save_timeout_s, "save_timeout_s")
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
+        self._check_grad_dtype(grad_dtype)
+        if self.grad_dtype is not None and (compression is not None or op == "adasum"):
+            raise ConfigError(f"grad_dtype={self.grad_dtype.name} needs HorovodStrategy(compression=None, op='average' "
+                              f"or 'sum'); this one has compression={compression!r}, op={op!r}. grad_dtype is the "
+                              "compression here: drop `compression` (Adasum's combination is not a sum).")
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         if require_launcher and launched_by() is None:

@@ -44,6 +44,9 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
             forward and gathers them again for its backward; False keeps them (less traffic, more memory).
         fsdp_prefetch: zero_stage 3: issue each unit's all-gather when the unit before it starts (default
             False: when its own inputs exist, which holds fewer gathered units at once).
+        grad_dtype: None (default: gradients summed across replicas in their own dtype, float32 under Keras'
+            mixed policies) or 'bfloat16' / 'float16' / 'float32': cast to it for the sum and back after (half the
+            bytes per step in 16 bits); at every zero_stage (ZeRO reduce-scatters in it).
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -70,9 +73,11 @@ class MirroredStrategy(ReusedInputIterators, DataParallel, tf.distribute.Mirrore
         fsdp_unit_bytes: int | None = None,
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
+        grad_dtype: str | tf.DType | None = None,
     ):
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
+        self._check_grad_dtype(grad_dtype)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         devices, ops = resolve_devices(devices), cross_device_ops_from(cross_device_ops)
         extended = with_gradient_path(tf_distribute.MirroredExtended)

@@ -58,6 +58,9 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
             `tfdist.MirroredStrategy` (wrap policy, keep gathered parameters until the backward, prefetch).
         ring_piece_mb: None (default) or a size in MB (2 suits 1 Gbit/s links): inside a tf.function, ring all-reduces
             of at least twice this size run as a chain of all-reduces of about this size (slow links; costs CPU).
+        grad_dtype: None (default: gradients summed across replicas in their own dtype, float32 under Keras'
+            mixed policies) or 'bfloat16' / 'float16' / 'float32': cast to it for the sum and back after (half the
+            bytes per step in 16 bits); at every zero_stage (ZeRO reduce-scatters in it).
 
     Example:
         >>> # train.py, run with: tfdist launch -n 2 -- python train.py
@@ -90,10 +93,12 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
         reshard_after_forward: bool = True,
         fsdp_prefetch: bool = False,
         ring_piece_mb: float | None = None,
+        grad_dtype: str | tf.DType | None = None,
     ):
         ring_piece_bytes = _check_ring_piece(ring_piece_mb)
         self._check_zero_options(zero_stage, offload, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         bucket_cap_mb = self._check_bucket_cap(bucket_cap_mb)
+        self._check_grad_dtype(grad_dtype)
         check_mode(uneven_data)
         self.reuse_input_iterators = bool(reuse_input_iterators)
         if communication not in _COMMUNICATION:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfdist.errors import ConfigError
 from tfdist.zero.collectives import ShardCollectives
@@ -80,6 +81,8 @@ class ZeroConfig:
     reshard_after_forward: bool = True
     #: stage 3: issue each unit's all-gather when the unit before it (in forward or backward order) starts
     prefetch: bool = False
+    #: the dtype gradients are summed (reduce-scattered) in, cast back to their own after; None: their own
+    grad_dtype: tf.DType | None = None
 
 
 def check_unit_bytes(fsdp_unit_bytes, zero_stage: int = 3) -> int | None:

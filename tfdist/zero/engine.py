@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist.comm.sum_dtype import summed_in
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
@@ -66,7 +67,8 @@ class ZeroEngine:
         # adds the same two numbers (x0 + x1 == x1 + x0 in IEEE arithmetic), so stage 1 takes it
         # and moves what data parallel moves (reduce-scatter + all-gather), like stage 2. With
         # more replicas the sum order of the two differs in the last bit.
-        self.reduce_scatters = self.stage == 2 or self.comm.num_shards <= 2
+        # Summed in another dtype (`grad_dtype`), stage 0's bits are not on offer: stage 1 reduce-scatters too.
+        self.reduce_scatters = self.stage == 2 or self.comm.num_shards <= 2 or config.grad_dtype is not None
         self.state_devices = [config.host_device if config.offload else d for d in self.comm.devices]
         self._build_shards()
         self.kept_gradient_bytes: list[int] | None = None  # filled when the step is traced
@@ -269,7 +271,7 @@ class ZeroEngine:
                     if layout.padded > layout.total:
                         parts.append(tf.zeros([layout.padded - layout.total], self.dtype))
                     flats.append(tf.concat(parts, 0))
-            shards = comm.reduce_scatter_flat(flats)
+            shards = summed_in(self.config.grad_dtype, flats, comm.reduce_scatter_flat, comm.devices)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         return shards, params, lrs
 

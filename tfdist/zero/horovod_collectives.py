@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.comm.horovod import horovod
+from tfdist.comm.horovod_backend import HorovodBackend
 from tfdist.comm.read_agreement import ReadAgreement
+from tfdist.comm.wire import carry
 from tfdist.zero.collectives import ShardCollectives
 
 __all__ = ["HorovodShardCollectives"]
@@ -93,7 +95,9 @@ class HorovodShardCollectives(ShardCollectives):
 
                 def exchange(cols: tf.Tensor) -> tf.Tensor:
                     # rows p*M..p*M+M-1 (rank p's shards) go to rank p: alltoall splits evenly by rank
-                    got = self._hvd.alltoall(tf.identity(tf.reshape(cols, [-1]), name="zero_grads"))
+                    # Horovod has no bfloat16 kernels: bfloat16 (grad_dtype) travels bitcast, summed here after
+                    got = carry(tf.reshape(cols, [-1]), HorovodBackend.move_dtypes,
+                                lambda wire: self._hvd.alltoall(tf.identity(wire, name="zero_grads")))
                     return tf.reshape(got, [self.size, m * int(cols.shape[1])])  # one row per sending rank
 
                 sums = self.all_to_all_sums(rows, exchange, self.size)  # chunk k: my M shards' columns

@@ -198,7 +198,8 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     param_of = {id(v): p for v, p in zip(variables, engine.params)}
     for layer, owned in units:
         engine.units.append(FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], config.collectives,
-                                     reshard_after_forward=config.reshard_after_forward, prefetch=config.prefetch))
+                                     reshard_after_forward=config.reshard_after_forward, prefetch=config.prefetch,
+                                     grad_dtype=config.grad_dtype))
     fsdp_keras.reset_step_functions(model)
     return engine
 

@@ -42,8 +42,9 @@ class FsdpUnit:
 
     def __init__(self, layer, params: list[tuple[keras.Variable, FsdpParam]], comm: ShardCollectives,
                  reshard_after_forward: bool = True, prefetch: bool = False,
-                 comms: list[ShardCollectives] | None = None):
+                 comms: list[ShardCollectives] | None = None, grad_dtype: tf.DType | None = None):
         self.layer, self.params, self.comm = layer, params, comm
+        self.grad_dtype = grad_dtype  # the weight gradients are reduce-scattered in it (None: the parameters')
         # `comms[j]`: the collectives of params[j]'s pieces (under tensor parallelism a unit's weights live on
         # several device groups, one per position on the model axis); by default all `comm`. One all-gather and
         # one reduce-scatter per group, all in one merge_call.
@@ -194,11 +195,13 @@ class FsdpUnit:
             # gradients: one unit-sized copy in flight next to the gradient itself.
             for r in range(n):
                 parts = [f[r * self.piece_sizes[j]:(r + 1) * self.piece_sizes[j]] for f, j in zip(flats, js)]
-                chunks.append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
+                chunk = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+                chunks.append(chunk if self.grad_dtype is None else tf.cast(chunk, self.grad_dtype))
         mine = ctx.merge_call(self._merge_reduce_scatter, args=tuple(chunks))
         out = [None] * len(self.params)
         for summed, (_, js) in zip(mine, self.groups):
             sizes = [self.piece_sizes[j] for j in js]
+            summed = tf.cast(summed, self.params[js[0]][1].dtype)  # from grad_dtype, if summed in it
             for j, g in zip(js, tf.split(summed, sizes) if len(js) > 1 else [summed]):
                 out[j] = g
         return out
