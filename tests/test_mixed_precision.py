@@ -183,3 +183,33 @@ def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
                 wire = {"bfloat16": tf.bfloat16, "float16": tf.float16}[tag.split(":")[1]]
                 np.testing.assert_array_equal(np.array(record[tag], "float32"), expected_kernel(wire),
                                               err_msg=f"{backend} rank {rank} {tag}")
+
+
+def test_memory_report_counts_bytes_by_dtype_under_a_bfloat16_policy():
+    """A 'bfloat16' policy makes bfloat16 variables and Adam slots of their dtype; memory_report counts each dtype's
+    bytes (stage 0: the output layer kept float32; ZeRO shards one dtype, so at stage 2 all of it is bfloat16) and
+    its formula takes the variables' bytes per parameter. The gradients are summed in float32
+    (grad_dtype='float32', the reverse direction) and training stays finite."""
+    import keras
+
+    keras.mixed_precision.set_global_policy("bfloat16")
+    try:
+        for stage in (0, 2):
+            bf16, f32 = (8 * 16 + 16, 16 * 4 + 4) if stage == 0 else (8 * 16 + 16 + 16 * 4 + 4, 0)
+            strategy = tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], zero_stage=stage, grad_dtype="float32")
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                          keras.layers.Dense(4, dtype="float32" if stage == 0 else "bfloat16")])
+                model.compile(keras.optimizers.Adam(0.01), "mse")
+            history = model.fit(np.ones((16, 8)), np.ones((16, 4)), batch_size=8, verbose=0)
+            assert np.isfinite(history.history["loss"]).all()
+            report = strategy.memory_report(model)
+            row = report.rows[0]
+            assert row.dtypes["params"] == {"bfloat16": 2 * bf16, **({"float32": 4 * f32} if f32 else {})}, stage
+            assert report.formula["params"] == 2 * bf16 + 4 * f32, stage
+            assert "by dtype" in str(report) and "bfloat16" in str(report)
+            if stage == 0:  # Adam's two slots per variable, in its dtype (and float32/int64 scalars)
+                assert row.dtypes["optimizer_state"]["bfloat16"] == 2 * 2 * bf16
+                assert row.dtypes["gradients"] == {"bfloat16": 2 * bf16, "float32": 4 * f32}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

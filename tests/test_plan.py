@@ -130,3 +130,34 @@ def test_plan_model_with_a_custom_layer_names_the_option(tmp_path, capsys):
     assert "--custom-objects" in err and "register_keras_serializable" in err and "Traceback" not in err
     assert main(["plan", "--model", str(path), "--replicas", "2", "--custom-objects", str(module)]) == 0
     assert f"{model.count_params():,} trainable parameters" in capsys.readouterr().out
+
+
+def test_plan_counts_the_bytes_of_each_dtype(tmp_path, capsys):
+    """Mixed policies keep float32 variables (the plan is float32's); a 'bfloat16' policy halves parameters,
+    gradients and Adam's state (Keras' slots take their variable's dtype). A model file's variables are counted
+    by their own dtypes; --dtype-policy with --model is refused with the reason."""
+    tables = {}
+    for policy in ("mixed_bfloat16", "bfloat16"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["plan", "--params", "10M", "--replicas", "4", "--dtype-policy", policy, "--json", str(out)]) == 0
+        tables[policy] = json.loads(out.read_text())
+    mixed, bf16 = tables["mixed_bfloat16"], tables["bfloat16"]
+    assert mixed["params_by_dtype"] == {"float32": 10_000_000} and mixed["stages"]["0"]["total"] == 16 * 10e6
+    assert bf16["params_by_dtype"] == {"bfloat16": 10_000_000} and bf16["state_bytes_per_param"] == 4
+    assert bf16["stages"]["2"]["total"] == pytest.approx(2 * 10e6 + (2 + 4) * 10e6 / 4)
+    assert bf16["creation_bytes_per_replica"] == 2 * 10e6
+    assert "variables under the bfloat16 policy: 10,000,000 bfloat16 (0.020 GB)" in capsys.readouterr().out
+
+    keras.mixed_precision.set_global_policy("bfloat16")
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4, dtype="float32")])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    path = tmp_path / "m.keras"
+    model.save(path)
+    assert main(["plan", "--model", str(path), "--replicas", "2", "--json", str(tmp_path / "m.json")]) == 0
+    plan = json.loads((tmp_path / "m.json").read_text())
+    assert plan["params_by_dtype"] == {"bfloat16": 8 * 16 + 16, "float32": 16 * 4 + 4}
+    assert plan["stages"]["0"]["params"] == 2 * 144 + 4 * 68
+    assert main(["plan", "--model", str(path), "--replicas", "2", "--dtype-policy", "bfloat16"]) == 2
+    assert "--dtype-policy bfloat16 is for --params" in capsys.readouterr().err

@@ -7,9 +7,18 @@ import argparse
 import json
 import re
 
-from tfdist.cli.plan_model_file import check_model_file, load_model, saved_optimizer_config, state_bytes_per_param
+from tfdist.cli.plan_model_file import (
+    check_model_file,
+    dtype_bytes,
+    load_model,
+    saved_optimizer_config,
+    state_bytes_per_param,
+)
 
 SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+# Keras dtype policy -> the dtype of its variables (mixed policies keep float32 master weights)
+POLICY_VARIABLE_DTYPE = {"float32": "float32", "mixed_bfloat16": "float32", "mixed_float16": "float32",
+                         "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def count_argument(text: str) -> int:
@@ -48,7 +57,7 @@ def parse_count(text: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory per device for each way to spread a model, and which fits",
                        description="Per-replica bytes of parameters, gradients and optimizer state for ZeRO "
-                                   "stages 0, 1, 2 and 3 (fp32 Keras variables), and the smallest stage that fits "
+                                   "stages 0, 1, 2 and 3 (by the variables' dtype), and the smallest stage that fits "
                                    "--device-memory. With --model and --devices N: every layout over N devices "
                                    "(data parallel, ZeRO-1/2/3, tensor parallel, pipeline, parameter servers) with "
                                    "the bytes per device and the bytes each device sends per step. With --model "
@@ -76,6 +85,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", type=float, default=None, help="memory per device in GB (1e9 bytes)")
     p.add_argument("--optimizer", default=None,
                    help="Keras optimizer name (adam, sgd, rmsprop, adagrad...); default: the model's, else adam")
+    p.add_argument("--dtype-policy", default=None, choices=tuple(POLICY_VARIABLE_DTYPE),
+                   help="with --params: the Keras dtype policy the model trains under (default float32); mixed "
+                        "policies keep float32 variables, 'bfloat16'/'float16' halve parameters, gradients and "
+                        "optimizer state. With --model its variables' own dtypes are counted")
     p.add_argument("--json", default=None, help="also write the plan as JSON here")
     p.set_defaults(run=run)
 
@@ -107,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory:g}.")
     if args.custom_objects and not args.model:
         raise ConfigError("--custom-objects is used with --model.")
+    if args.dtype_policy and args.model:
+        raise ConfigError(f"--dtype-policy {args.dtype_policy} is for --params; with --model the bytes of its "
+                          "variables' own dtypes are counted (build and save the model under the policy).")
     if args.model:
         check_model_file(args.model)
         if args.devices is not None:
@@ -124,30 +140,39 @@ def run(args: argparse.Namespace) -> int:
 
             return run_tensor_parallel(args, saved_optimizer_config(args.model))
         model = load_model(args.model, args.custom_objects)
-        num_params = int(sum(int(v.numpy().size) for v in model.trainable_variables))
+        by_dtype: dict[str, int] = {}  # trainable parameters per variable dtype
+        for v in model.trainable_variables:
+            by_dtype[str(v.dtype)] = by_dtype.get(str(v.dtype), 0) + int(v.numpy().size)
+        num_params = sum(by_dtype.values())
         optimizer_config = saved_optimizer_config(args.model)
         if optimizer_config and not args.optimizer:
             optimizer = keras.optimizers.deserialize(optimizer_config)
     else:
         num_params = args.params  # an int: count_argument parsed it
+        by_dtype = {POLICY_VARIABLE_DTYPE[args.dtype_policy or "float32"]: num_params}
+    variable_dtype = max(by_dtype, key=by_dtype.get)  # the optimizer's state is measured on the commonest
+    param_bytes = sum(n * dtype_bytes(d) for d, n in by_dtype.items()) / max(1, num_params)
     if optimizer is None:
         try:
             optimizer = keras.optimizers.get(args.optimizer or "adam")
         except ValueError:
             raise ConfigError(f"--optimizer: Keras has no optimizer {args.optimizer!r}; try adam, sgd, "
                               "rmsprop, adagrad, adamw.") from None
-    opt_name, state_bytes = state_bytes_per_param(optimizer)
-    stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes) for s in (0, 1, 2, 3)}
-    # Every stage creates the model replicated (a full fp32 copy per replica) and ZeRO-3 cuts it when the optimizer
+    opt_name, state_bytes = state_bytes_per_param(optimizer, variable_dtype)
+    stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes, param_bytes=param_bytes,
+                              grad_bytes=param_bytes) for s in (0, 1, 2, 3)}
+    # Every stage creates the model replicated (a full copy per replica) and ZeRO-3 cuts it when the optimizer
     # is built: below its steady state for few replicas, above it beyond (4 with Adam's 8 bytes of state).
-    creation = 4.0 * num_params
+    creation = param_bytes * num_params
     limit = args.device_memory * 1e9 if args.device_memory else None
     fits = {s: (limit is None or max(f["total"], creation) <= limit) for s, f in stages.items()}
     smallest = next((s for s in (0, 1, 2, 3) if fits[s]), None)
 
     gb = lambda b: f"{b / 1e9:10.3f}"  # noqa: E731
+    dtypes = ", ".join(f"{n:,} {d} ({n * dtype_bytes(d) / 1e9:.3f} GB)" for d, n in by_dtype.items())
+    policy = f" under the {args.dtype_policy} policy" if args.dtype_policy else ""
     print(f"{num_params:,} trainable parameters, {args.replicas} replicas, {opt_name} "
-          f"({state_bytes:g} B of optimizer state per parameter), fp32 variables")
+          f"({state_bytes:g} B of optimizer state per parameter); variables{policy}: {dtypes}")
     print(f"{'stage':<8s}{'params':>10s}{'grads':>10s}{'opt state':>10s}{'total':>10s}  GB per replica")
     for s, f in stages.items():
         mark = "" if limit is None else ("  fits" if fits[s] else "  too big at start-up" if f["total"] <= limit
@@ -172,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"num_params": num_params, "replicas": args.replicas, "optimizer": opt_name,
                        "state_bytes_per_param": state_bytes, "device_memory_gb": args.device_memory,
+                       "dtype_policy": args.dtype_policy, "params_by_dtype": by_dtype, "param_bytes": param_bytes,
                        "stages": {str(s): v for s, v in stages.items()},
                        "creation_bytes_per_replica": creation,
                        "fits": {str(s): v for s, v in fits.items()}, "smallest_fitting_stage": smallest}, f, indent=2)

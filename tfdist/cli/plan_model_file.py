@@ -13,7 +13,8 @@ import zipfile
 
 from tfdist.errors import ConfigError
 
-__all__ = ["check_model_file", "import_custom_objects", "load_model", "saved_optimizer_config", "state_bytes_per_param"]
+__all__ = ["check_model_file", "import_custom_objects", "load_model", "saved_optimizer_config",
+           "state_bytes_per_param", "dtype_bytes"]
 
 LEGACY_SUFFIXES = (".h5", ".hdf5")
 
@@ -85,17 +86,20 @@ def load_model(path: str, custom_objects: str | None = None):
         raise ConfigError(f"--model: Keras cannot load {path!r}: {text.strip().splitlines()[0]}") from None
 
 
-def state_bytes_per_param(optimizer) -> tuple[str, float]:
-    """Measured: build the optimizer on a small variable and count its per-element state."""
+def state_bytes_per_param(optimizer, variable_dtype: str = "float32") -> tuple[str, float]:
+    """Measured: build the optimizer on a small variable of `variable_dtype` and count its per-element state
+    (Keras' slots take their variable's dtype)."""
     import keras
 
-    probe = keras.Variable(keras.ops.zeros((1000,)), name="probe")
+    probe = keras.Variable(keras.ops.zeros((1000,), dtype=variable_dtype), name="probe")
     optimizer.build([probe])
-    total = sum(1000 * _dtype_bytes(v.dtype) for v in optimizer.variables if tuple(v.shape) == (1000,))
+    total = sum(1000 * dtype_bytes(v.dtype) for v in optimizer.variables if tuple(v.shape) == (1000,))
     return type(optimizer).__name__, total / 1000
 
 
-def _dtype_bytes(dtype) -> int:
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a dtype or its name ('bfloat16' included, which NumPy alone does not name)."""
     import numpy as np
 
-    return np.dtype(str(dtype)).itemsize
+    name = str(getattr(dtype, "name", dtype))
+    return 2 if name == "bfloat16" else np.dtype(name).itemsize

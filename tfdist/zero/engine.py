@@ -129,7 +129,9 @@ class ZeroEngine:
                               "Mark them trainable=False (integer state is not optimised by gradients).")
         if len(dtypes) > 1:
             raise ConfigError(f"ZeRO: all trainable variables must share one dtype to be sharded flat; found "
-                              f"{sorted(d.name for d in dtypes)}.")
+                              f"{sorted(d.name for d in dtypes)}. Build every layer under one policy (a mixed_* "
+                              "policy keeps all variables float32 and computes in 16 bits; with a 'bfloat16' "
+                              "policy drop the float32 dtype= of the odd layers), or use zero_stage=0.")
 
     def _make_state(self, slots: dict[str, list], owner: str) -> SlotShards:
         return SlotShards(slots, self.layout, self.comm, self.state_devices, self.config.host_device, owner=owner)

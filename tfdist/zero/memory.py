@@ -43,6 +43,8 @@ class ReplicaMemory:
     gradients: int | None = None
     optimizer_state: int = 0
     shard_buffer: int = 0  # ZeRO: the owner's parameter shard copy (4Ψ/N during a step only; 0 between steps)
+    #: the same bytes by dtype: {"params": {"float32": ...}, "optimizer_state": {...}, ...}
+    dtypes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -82,6 +84,10 @@ class MemoryReport:
         f = self.formula
         lines.append(f"{'formula (per replica)':44s} {mb(f['params'])} {mb(f['gradients'])} "
                      f"{mb(f['optimizer_state'])} {'':9s}")
+        if self.rows:
+            by_dtype = "; ".join(f"{what} " + ", ".join(f"{d} {mb(b).strip()}" for d, b in sorted(per.items()))
+                                 for what, per in self.rows[0].dtypes.items())
+            lines.append(f"by dtype ({self.rows[0].device}, MiB): {by_dtype}")
         lines.append(f"gradients: {self.gradients_source}")
         if self.stage >= 3:
             lines.append(f"stage 3: + {self.gathered_units / 2**20:.3f} MiB of gathered parameters "
@@ -116,43 +122,46 @@ def memory_report(strategy, model) -> MemoryReport:
     devices = [_canon(d) for d in strategy.extended.worker_devices]
     rows = {d: ReplicaMemory(device=d) for d in devices}
 
-    def add(device: str, what: str, nbytes: int) -> None:
+    def add(device: str, what: str, nbytes: int, dtype) -> None:
         d = _canon(device)
         row = rows.setdefault(d, ReplicaMemory(device=d))
         setattr(row, what, (getattr(row, what) or 0) + nbytes)
+        per = row.dtypes.setdefault(what, {})
+        per[tf.as_dtype(dtype).name] = per.get(tf.as_dtype(dtype).name, 0) + nbytes
 
     variables = list(model.trainable_variables)
     for v in variables:
         for c in _components(strategy, v):
-            add(c.device, "params", _nbytes(c))
+            add(c.device, "params", _nbytes(c), c.dtype)
     num_params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in variables)
+    param_bytes = sum(_nbytes(v) for v in variables) / max(1, num_params)  # 4 for float32 (mixed policies too)
     engine = engine_of(optimizer)
     stage = engine.stage if engine is not None else 0
     if engine is None:
         state_vars = optimizer.variables
         for v in state_vars:
             for c in _components(strategy, v):
-                add(c.device, "optimizer_state", _nbytes(c))
+                add(c.device, "optimizer_state", _nbytes(c), c.dtype)
         full = sum(_nbytes(v) for v in state_vars if len(v.shape))  # slots (not the scalars)
         for v in variables:
             for c in _components(strategy, v):
-                add(c.device, "gradients", _nbytes(c))
+                add(c.device, "gradients", _nbytes(c), c.dtype)
         source = "stage 0: each replica holds the full all-reduced gradient (the variables' shapes)"
     else:
         for v in engine.inner.variables:
-            add(v.value.device, "optimizer_state", _nbytes(v))
+            add(v.value.device, "optimizer_state", _nbytes(v), v.dtype)
         for v in optimizer.variables:  # iterations, learning rate: mirrored scalars of the user's optimizer
             if not isinstance(v, LogicalSlot):
                 for c in _components(strategy, v):
-                    add(c.device, "optimizer_state", _nbytes(c))
+                    add(c.device, "optimizer_state", _nbytes(c), c.dtype)
         for s in engine.shard_params:  # emptied after each step's all-gather: 0 between steps (none at stage 3)
-            add(s.value.device, "shard_buffer", int(tf.size(s.value)) * tf.as_dtype(s.dtype).size)
+            add(s.value.device, "shard_buffer", int(tf.size(s.value)) * tf.as_dtype(s.dtype).size, s.dtype)
         full = sum(_nbytes(v) for vs in engine.state.slots.values() for v in vs)  # this process's shards
         full = full * engine.layout.num_shards // len(engine.comm.shard_ids)  # all processes' shards
         full = full * num_params // max(1, engine.layout.padded)
         if engine.kept_gradient_bytes is not None:
             for device, nbytes in zip(engine.comm.devices, engine.kept_gradient_bytes):
-                add(device, "gradients", nbytes)
+                add(device, "gradients", nbytes, engine.dtype)
             source = ("measured from the traced step: " +
                       ("each replica keeps only its reduce-scattered shard" if engine.reduce_scatters else
                        "the full all-reduced gradient per replica"))
@@ -162,7 +171,8 @@ def memory_report(strategy, model) -> MemoryReport:
     replicas = strategy.num_replicas_in_sync  # all processes' replicas (the formula's N)
     report = MemoryReport(stage=stage, replicas=replicas, num_params=num_params, state_bytes_per_param=state_bytes,
                           rows=list(rows.values()), gradients_source=source)
-    report.formula = zero_formula(num_params, replicas, stage, state_bytes=state_bytes)
+    report.formula = zero_formula(num_params, replicas, stage, state_bytes=state_bytes, param_bytes=param_bytes,
+                                  grad_bytes=param_bytes)
     units = sorted((u.gathered_bytes for u in getattr(engine, "units", ())), reverse=True)
     report.gathered_units = sum(units[:2])
     return report
