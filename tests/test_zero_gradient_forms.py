@@ -103,3 +103,33 @@ def test_every_gradient_form_at_every_stage_equals_one_device(form, options):
         got = under(strategy, form, options)
         for name, mine, theirs in zip(("w", "embedding", "unused"), got, expected, strict=True):
             np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6, err_msg=f"stage {stage}: {name}")
+
+
+
+def test_stage3_leaves_a_variable_without_a_gradient_as_keras_does():
+    """A two-output model trained on one output's loss only: the other head gets no gradient (Keras drops it), so
+    neither it nor its Adam state moves (weight decay skips it too; its EMA stays its value). ZeRO-3 equals one
+    device, as stage 0 does."""
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(16, 4).astype("float32"), rng.rand(16, 2).astype("float32")
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            inputs = keras.Input((4,))
+            hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+            model = keras.Model(inputs, {"a": keras.layers.Dense(2, name="a")(hidden),
+                                         "b": keras.layers.Dense(2, name="b")(hidden)})
+            model.compile(keras.optimizers.Adam(0.01, weight_decay=0.1, use_ema=True, ema_overwrite_frequency=3),
+                          loss={"a": "mse", "b": None})
+        before = {w.path: w.numpy() for w in model.weights}
+        model.fit(x, {"a": y, "b": y}, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        return before, {w.path: w.numpy() for w in model.weights}
+
+    before, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    np.testing.assert_array_equal(expected["b/kernel"], before["b/kernel"])  # Keras: no gradient, no step
+    assert not np.allclose(expected["a/kernel"], before["a/kernel"])
+    for stage in (0, 3):
+        _, got = train(tfdist.MirroredStrategy(zero_stage=stage))
+        for path, value in expected.items():
+            np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-6, err_msg=f"stage {stage}: {path}")

@@ -109,10 +109,10 @@ class Zero3Engine(ZeroEngine):
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads[j]` is this replica's reduce-scattered piece of variable j's gradient."""
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
-        if self.missing:  # a gradient piece comes from the layer's own backward; without one there is nothing to cut
-            raise ConfigError(f"ZeRO stage 3 needs a gradient for every trainable variable; none for "
-                              f"{[self.variables[i].path for i in sorted(self.missing)]}. Set trainable=False on "
-                              "them, or use zero_stage=2.")
+        # A variable without a gradient (an output without a loss, a branch the step does not use): zeros of its
+        # piece's size, and `_update` leaves it and its state as they were, as Keras leaves a None gradient's.
+        grads = [tf.zeros([self.layout.piece_sizes[j]], self.dtype) if j in self.missing else g
+                 for j, g in enumerate(grads)]
         for j, g in enumerate(grads):
             if g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]):
                 raise ConfigError(
@@ -166,8 +166,9 @@ class Zero3Engine(ZeroEngine):
         for row, refs, lr, device in zip(grads, self.piece_refs, lrs, self.state_devices):
             with tf.device(device):
                 lr = tf.cast(lr, self.dtype)
-                for g, ref in zip(row, refs):
-                    self.inner.update_step(tf.identity(g), ref, lr)
+                for j, (g, ref) in enumerate(zip(row, refs)):
+                    if j not in self.missing:
+                        self.inner.update_step(tf.identity(g), ref, lr)
 
     def _update_averages(self, params: list, iterations) -> None:
         """Keras' EMA, per piece."""
