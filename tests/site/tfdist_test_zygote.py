@@ -59,7 +59,20 @@ def _context() -> dict:
             "namespaces": namespaces, "cgroup": cgroup,
             "priority": os.getpriority(os.PRIO_PROCESS, 0),
             "limits": [list(resource.getrlimit(getattr(resource, r))) for r in _LIMITS],
-            "env": {k: os.environ.get(k) for k in _START_ENV}}
+            "env": {k: _library_path(os.environ.get(k)) if k == "LD_LIBRARY_PATH" else os.environ.get(k)
+                    for k in _START_ENV}}
+
+
+# Directories the dynamic loader searches anyway. OpenMPI's mpirun gives its ranks LD_LIBRARY_PATH=/usr/lib:/usr/lib
+# (its prefix's lib directory, Debian's /usr): the same libraries load, so such a rank is still the zygote's kind.
+_SYSTEM_LIBRARIES = {"/lib", "/lib64", "/usr/lib", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu"}
+
+
+def _library_path(value: str | None) -> str | None:
+    """LD_LIBRARY_PATH without the system's own library directories (None when nothing else is left)."""
+    kept = [d for d in (value or "").split(":") if d and os.path.realpath(d) not in _SYSTEM_LIBRARIES and
+            d not in _SYSTEM_LIBRARIES]
+    return ":".join(dict.fromkeys(kept)) or None
 
 
 def _program(argv: list[str]) -> dict | None:
@@ -138,11 +151,13 @@ def stand_in() -> None:
                      "path": sys.path, "affinity": sorted(os.sched_getaffinity(0)),
                      "cwd": os.getcwd(), "stand_in": os.getpid(), "context": _context()}, streams)
         reply = _receive(conn)
-    except OSError:
-        reply = None
+    except OSError as err:
+        reply, error = None, f" ({err})"
+    else:
+        error = "" if reply else " (it closed the connection)"
     if not reply or not reply.get("pid"):
         conn.close()  # the zygote is not up yet, or this process differs from it: start fresh
-        return _fresh(f"differs from the zygote in: {reply['why']}" if reply else "zygote not answering")
+        return _fresh(f"differs from the zygote in: {reply['why']}" if reply else f"zygote not answering{error}")
     fork = reply["pid"]
 
     def forward(signum, frame):
@@ -184,7 +199,9 @@ def _mismatch(request: dict, own: dict) -> str | None:
             if {k: v for k, v in theirs.get(key, {}).items() if k != "net"} != value:
                 return key
         elif key == "env" and theirs.get(key) != value:
-            return "env: " + " ".join(k for k in value if theirs.get(key, {}).get(k) != value[k])
+            mine = theirs.get(key, {})
+            return "env: " + " ".join(f"{k} ({str(mine.get(k))[:60]!r} here, {str(value[k])[:60]!r} in the zygote)"
+                                      for k in value if mine.get(k) != value[k])
         elif theirs.get(key) != value:
             return key
     return None
