@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=None, metavar="R",
                    help="restart all workers when one fails, at most R times (default 0: the job fails); with --ps: "
                         "restart a failed worker at most R times (default 3; 0: never)")
-    p.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop the whole job after this many seconds (with --nnodes, its waits for the other nodes too)")
     p.add_argument("--network", choices=("private", "host"), default="private",
                    help="private (default): --backend tf jobs run in a network namespace with loopback only, so "
                         "their unauthenticated TF servers are reachable from the job alone; host: this machine's "
@@ -65,9 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="machines in the job (default 1); run the same command on each with its --node-rank")
     p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..N-1")
     p.add_argument("--master", default=None, metavar="HOST:PORT",
-                   help="with --nnodes: an address of node 0 and a free port, where the nodes' launchers meet")
+                   help="with --nnodes: an address of node 0 that every node reaches (not loopback across machines) "
+                        "and a free port, where the nodes' launchers meet; IPv6 in brackets: [fd00::1]:29400")
     p.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="S",
-                   help="seconds to wait for every node at each (re)start (default 300)")
+                   help="seconds to wait for every node at each (re)start (default 300; --timeout ends the wait "
+                        "when it comes first)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run in every worker")
     p.set_defaults(run=run)
 

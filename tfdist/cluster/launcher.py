@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -15,13 +16,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, TextIO
 
-from tfdist.cluster.backends import ps_job_tasks
+from tfdist.cluster.backends import NodesTFConfigBackend, ps_job_tasks
 from tfdist.cluster.elastic import run_with_restarts
 from tfdist.cluster.emulated_network import EmulatedNetwork, parse_rate
 from tfdist.cluster.local_gpus import per_process_env, visible_gpus
 from tfdist.cluster.private_net import private_network
 from tfdist.cluster.processes import start_process, stop_processes
 from tfdist.cluster.ps_supervisor import supervise_ps, task_label
+from tfdist.cluster.rendezvous import is_loopback, job_deadline, parse_master, watch_rounds
+from tfdist.cluster.rendezvous_server import RendezvousServer
 from tfdist.errors import ConfigError
 
 __all__ = ["BACKENDS", "DEFAULT_MAX_RESTARTS", "LaunchBackend", "launch", "load_backend"]
@@ -119,8 +122,10 @@ def launch(
 
     With `nnodes` = N > 1 this is node `node_rank` of a job over N machines (torchrun's shape; backend "tf"):
     node 0's launcher serves a rendezvous at `master` ("HOST:PORT", an address of node 0), every node's launcher
-    meets there at each start and restart (`rdzv_timeout_s` bounds the wait), and the `n` workers of node R are
-    tasks R*n .. R*n+n-1 of one TF_CONFIG. The workers listen on the host's network, reachable from the other nodes.
+    meets there at each start and restart (`rdzv_timeout_s` bounds the wait, and so does the end of `timeout_s`), and
+    the `n` workers of node R are tasks R*n .. R*n+n-1 of one TF_CONFIG. The workers listen on the host's network,
+    reachable from the other nodes. When another node starts a new round (it restarted, or its launcher was
+    restarted) this node's workers are stopped, so that every node restarts together.
 
     Example:
         >>> launch(["python", "train.py"], 2)       # same as: tfdist launch -n 2 -- python train.py
@@ -138,9 +143,12 @@ def launch(
     _check_program(command[0])
     if network not in NETWORKS:
         raise ConfigError(f"--network must be one of {list(NETWORKS)}, got {network!r}.")
+    say = _line_writer(out or sys.stdout)
     rendezvous: AbstractContextManager = contextlib.nullcontext()
+    together: _Together | None = None
     if (nnodes, node_rank, master) != (1, 0, None):
-        backend, rendezvous = _nodes(backend, nnodes, node_rank, master, ps, link_rate, rdzv_timeout_s)
+        backend, rendezvous = _nodes(backend, nnodes, node_rank, master, ps, link_rate, rdzv_timeout_s, say)
+        together = _Together(master, node_rank, say)
         network = "host"  # the other nodes reach the workers on this machine's own addresses
     backend = load_backend(backend) if isinstance(backend, str) else backend
     if ps is not None:
@@ -150,7 +158,6 @@ def launch(
     # Each worker's local rank and, on a GPU machine, its own GPUs (a parameter-server job keeps TF's placement).
     gpus = visible_gpus({**os.environ, **(env or {})}) if ps is None else []
     local = per_process_env(n, devices_per_worker, gpus)  # too few GPUs: refused before anything starts
-    say = _line_writer(out or sys.stdout)
     readers: list[threading.Thread] = []
     with rendezvous, _network(backend, network, say, link_rate, n) as (prefix, nodes):
 
@@ -159,11 +166,14 @@ def launch(
             argv = nodes.command(rank, command) if nodes is not None else [*prefix, *command]
             proc, reader = start_process(argv, full_env, f"[{label}] ", say)
             readers.append(reader)
+            if together is not None:
+                together.started(proc)
             return proc
 
         def environments():
             if nodes is None:
-                return _merged(backend.environments(n, devices_per_worker), local)
+                envs = _merged(backend.environments(n, devices_per_worker), local)
+                return envs if together is None else together.round(envs)
             if _name(backend) in ON_NODES and not getattr(backend, "supports_hosts", False):
                 return _merged(_on_nodes(_name(backend), nodes).environments(n, devices_per_worker), local)
             return _merged(backend.environments(n, devices_per_worker, hosts=[nodes.address(i) for i in range(n)]),
@@ -171,8 +181,9 @@ def launch(
 
         try:
             if ps is None:
-                return run_with_restarts(environments, lambda rank, extra: start(str(rank), extra, rank), say,
-                                         max_restarts=max_restarts or 0, timeout_s=timeout_s, on_start=on_start)
+                with job_deadline(timeout_s):  # a rendezvous wait ends with the job
+                    return run_with_restarts(environments, lambda rank, extra: start(str(rank), extra, rank), say,
+                                             max_restarts=max_restarts or 0, timeout_s=timeout_s, on_start=on_start)
             return _launch_ps(backend, n, ps, devices_per_worker, start, say,
                               max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts,
                               timeout_s=timeout_s, on_start=on_start)
@@ -182,11 +193,9 @@ def launch(
 
 
 def _nodes(backend: str | LaunchBackend, nnodes: int, node_rank: int, master: str | None, ps: int | None,
-           link_rate: str | None, rdzv_timeout_s: float) -> tuple[LaunchBackend, AbstractContextManager]:
+           link_rate: str | None, rdzv_timeout_s: float,
+           say: Callable[[str], None]) -> tuple[LaunchBackend, AbstractContextManager]:
     """The backend of one node of a multi-node job, and node 0's rendezvous; every option checked first."""
-    from tfdist.cluster.backends import NodesTFConfigBackend
-    from tfdist.cluster.rendezvous import RendezvousServer, parse_master
-
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ConfigError(f"--nnodes must be a whole number >= 1, got {nnodes!r}.")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
@@ -202,9 +211,54 @@ def _nodes(backend: str | LaunchBackend, nnodes: int, node_rank: int, master: st
         raise ConfigError("--nnodes cannot be combined with --ps or --link-rate.")
     if not isinstance(rdzv_timeout_s, int | float) or rdzv_timeout_s <= 0:
         raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {rdzv_timeout_s!r}.")
-    server = (RendezvousServer(host, port, nnodes=nnodes, timeout_s=rdzv_timeout_s) if node_rank == 0
+    node = NodesTFConfigBackend(master, node_rank, nnodes, rdzv_timeout_s)
+    if nnodes > 1 and is_loopback(node.host):  # right for nodes on one machine; a node elsewhere never comes
+        say(f"[launch] --master {master} is reached over loopback ({node.host}): only launchers on this machine can "
+            "join. For nodes on other machines, give every node an address of node 0 that they all reach.")
+    server = (RendezvousServer(host, port, nnodes=nnodes, timeout_s=rdzv_timeout_s, say=say) if node_rank == 0
               else contextlib.nullcontext())
-    return NodesTFConfigBackend(master, node_rank, nnodes, rdzv_timeout_s), server
+    return node, server
+
+
+class _Together:
+    """One node of several: its workers of the current round, stopped when another node opens a newer round of the
+    rendezvous (it restarted, or its launcher was restarted and came back). All-reduce workers cannot go on without
+    that node's, and may not notice it left for a long time: stopping them makes every node restart together."""
+
+    def __init__(self, master: str, node_rank: int, say: Callable[[str], None]):
+        self.master, self.node_rank, self.say = master, node_rank, say
+        self._procs: list[subprocess.Popen] = []
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def round(self, environments: AbstractContextManager[list[dict[str, str]]]) -> Iterator[list[dict[str, str]]]:
+        """One round: `environments` (its entry meets the other nodes), watched until the round ends."""
+        with self._lock:
+            self._procs, self._stopping = [], False
+        with environments as envs, watch_rounds(self.master, self.node_rank, self._new_round):
+            yield envs
+
+    def started(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.append(proc)
+            if self._stopping:  # the other nodes moved on while this round's workers were starting
+                _terminate(proc)
+
+    def _new_round(self, round: int, ranks: list[int]) -> None:
+        self.say(f"[launch] node(s) {ranks} started round {round} of the rendezvous (a node restarted, or its launcher "
+                 "was restarted): stopping this node's workers, so that every node restarts together")
+        with self._lock:
+            self._stopping = True
+            for proc in self._procs:
+                _terminate(proc)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group of `proc`; the round's supervisor then sees it end and stops the rest."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
 
 
 @contextlib.contextmanager
