@@ -213,3 +213,41 @@ def test_memory_report_counts_bytes_by_dtype_under_a_bfloat16_policy():
                 assert row.dtypes["gradients"] == {"bfloat16": 2 * bf16, "float32": 4 * f32}
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_grad_dtype_casts_only_the_gradients_and_refuses_float16_after_unscaling():
+    """A reduction outside the optimizer's apply (a synchronized BatchNormalization's sums, a token count) keeps its
+    dtype; under mixed_float16 the LossScaleOptimizer unscales before the data-parallel sum, so float16 there is a
+    ConfigError naming the fix (ZeRO-3 sums the scaled gradients in the backward and takes it)."""
+    import keras
+    import pytest
+    import tensorflow as tf
+
+    from tfdist.errors import ConfigError
+
+    strategy = tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], grad_dtype="bfloat16")
+
+    @tf.function
+    def counts():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            "sum", tf.constant([1001.0, 0.1])))
+
+    np.testing.assert_allclose(strategy.experimental_local_results(counts())[0], [2002.0, 0.2], rtol=1e-7)
+
+    x, y, build = model_and_data(big_at=0)
+    x[0, 4] = 0.0  # no overflow here: only the sum's dtype matters
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for stage, refused in ((0, True), (2, True), (3, False)):
+            with tfdist.MirroredStrategy(["/cpu:0", "/cpu:1"], zero_stage=stage, grad_dtype="float16").scope():
+                model = build()
+                model.compile(keras.optimizers.SGD(0.1), "mse")
+            if refused:
+                with pytest.raises(ConfigError, match=f"grad_dtype='float16' under a LossScaleOptimizer.*"
+                                                      f"at zero_stage {stage}.*bfloat16"):
+                    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            else:
+                model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+                assert all(np.isfinite(w).all() for w in model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

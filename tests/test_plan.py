@@ -159,5 +159,6 @@ def test_plan_counts_the_bytes_of_each_dtype(tmp_path, capsys):
     plan = json.loads((tmp_path / "m.json").read_text())
     assert plan["params_by_dtype"] == {"bfloat16": 8 * 16 + 16, "float32": 16 * 4 + 4}
     assert plan["stages"]["0"]["params"] == 2 * 144 + 4 * 68
+    assert plan["stages"]["0"]["optimizer_state"] == pytest.approx(2 * 2 * 144 + 2 * 4 * 68)  # Adam's slots per dtype
     assert main(["plan", "--model", str(path), "--replicas", "2", "--dtype-policy", "bfloat16"]) == 2
     assert "--dtype-policy bfloat16 is for --params" in capsys.readouterr().err

@@ -273,3 +273,45 @@ def test_one_unit_over_column_row_pairs_keeps_the_megatron_pairing():
         counts[unit_bytes] = traced_step_counts(strategy, model)
     assert counts[None] == {"tp_all_reduce": 10, "tp_all_gather": 4, "tp_scatter": 8}
     assert counts[2**20] == {"tp_all_reduce": 10, "tp_all_gather": 0, "tp_scatter": 0}
+
+
+def test_l1_l2_and_l1l2_regularizers_on_split_weights_equal_one_device():
+    """A column-split and a row-split Dense with L2, L1 and L1L2 penalties on a 2 x 2 mesh at zero_stage=3: each row
+    adds the penalty of the pieces it holds of every shard, so the weights and the reported loss equal one device's
+    (the penalties matter: without them the weights differ). Other regularizers stay refused."""
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(16, 8).astype("float32"), rng.rand(16, 4).astype("float32")
+
+    def run(strategy, regularized=True):
+        penalty = (lambda r: r) if regularized else (lambda r: None)
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu", kernel_regularizer=penalty(keras.regularizers.L2(0.01)),
+                                   name="d1"),
+                keras.layers.Dense(4, kernel_regularizer=penalty(keras.regularizers.L1(0.01)),
+                                   bias_regularizer=penalty(keras.regularizers.L1L2(0.01, 0.02)), name="d2")])
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), history.history["loss"]
+
+    def mesh_strategy(**kwargs):
+        mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/cpu:{i}" for i in range(4)])
+        layout = tfdist.LayoutMap(mesh)
+        layout["d1/kernel"], layout["d2/kernel"] = (None, "model"), ("model", None)
+        return tfdist.ModelParallelStrategy(layout, batch_dim_name="batch", **kwargs)
+
+    one = tf.distribute.OneDeviceStrategy("/cpu:0")
+    (expected, expected_loss), (plain, _) = run(one), run(one, regularized=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(expected, plain)) > 1e-3
+    got, loss = run(mesh_strategy(zero_stage=3))
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    with pytest.raises(ConfigError, match="only L1 or L2 or L1L2"):
+        with mesh_strategy(zero_stage=3).scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+                16, kernel_regularizer=keras.regularizers.OrthogonalRegularizer(0.01), name="d1")])
+            model.compile("sgd", "mse")
+        model.fit(x, y[:, :1].repeat(16, axis=1), batch_size=8, verbose=0)

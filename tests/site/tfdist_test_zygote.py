@@ -70,7 +70,10 @@ _SYSTEM_LIBRARIES = {"/lib", "/lib64", "/usr/lib", "/usr/lib64", "/lib/x86_64-li
 
 def _library_path(value: str | None) -> str | None:
     """LD_LIBRARY_PATH without the system's own library directories (None when nothing else is left)."""
-    kept = [d for d in (value or "").split(":") if d and os.path.realpath(d) not in _SYSTEM_LIBRARIES and
+    if value is None:
+        return None
+    # an empty entry means the current directory to the loader: kept, so it still counts as a difference
+    kept = [d for d in value.split(":") if not d or os.path.realpath(d) not in _SYSTEM_LIBRARIES and
             d not in _SYSTEM_LIBRARIES]
     return ":".join(dict.fromkeys(kept)) or None
 

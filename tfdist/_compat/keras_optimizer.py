@@ -8,10 +8,11 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 
+import keras
 import tensorflow as tf
 from keras.src.optimizers import base_optimizer as _base_optimizer
 
-__all__ = ["apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum",
+__all__ = ["applying", "apply_weight_decay", "hook_instance_build", "iteration_counter", "keras_all_reduce_sum",
            "learning_rate_variable", "moving_averages", "optimizer_hooks", "optimizer_strategy",
            "override_apply_gradients", "override_check_finite", "override_sharded_state", "overwrite_with_average",
            "record_slot_creation", "reindex", "stock_apply_gradients", "stock_check_finite", "track_variable",
@@ -36,6 +37,18 @@ def _build_with_hooks(self, variables):
     return _stock["build"](self, variables)
 
 
+_applying: list = []  # the optimizers inside apply() now, in any thread (see `applying`)
+
+
+def applying() -> tuple:
+    """The Keras optimizers whose apply() is running now, in any thread, while tfdist's hooks are open. A
+    MirroredStrategy's replicas meet in a merge_call in the caller's thread, so this is process-wide: while it is
+    not empty, every replica is inside apply, and a reduction they meet in is the gradients' (not, say, a
+    synchronized BatchNormalization's sums, which the forward makes)."""
+    with _lock:
+        return tuple(_applying)
+
+
 def _apply_with_hooks(self, grads, trainable_variables=None):
     # Custom training loops (TF's tutorial pattern) build the optimizer lazily, in its first
     # apply_gradients inside a tf.function. Its variables then come from the function's graph, and TF's
@@ -54,7 +67,24 @@ def _apply_with_hooks(self, grads, trainable_variables=None):
             replica.merge_call(build_eagerly)  # once, in cross-replica context, while the replicas wait
         else:
             build_eagerly()
-    return _stock["apply"](self, grads, trainable_variables)
+    with _lock:
+        _applying.append(self)
+    try:
+        return _stock["apply"](self, grads, trainable_variables)
+    finally:
+        with _lock:
+            _applying.remove(self)
+
+
+def _loss_scale_apply_with_hooks(self, grads, trainable_variables=None):
+    # LossScaleOptimizer overrides apply(): counted too, so `applying()` shows that the step is loss-scaled
+    with _lock:
+        _applying.append(self)
+    try:
+        return _stock["loss_scale_apply"](self, grads, trainable_variables)
+    finally:
+        with _lock:
+            _applying.remove(self)
 
 
 def _init_with_hooks(self, *args, **kwargs):
@@ -73,13 +103,14 @@ def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> It
     Re-entrant and thread-safe (counted per pair of hooks). Keras classes are modified only while at
     least one such block is open; each hook runs once per call however many blocks asked for it.
     """
-    base = _base_optimizer.BaseOptimizer
+    base, loss_scale = _base_optimizer.BaseOptimizer, keras.optimizers.LossScaleOptimizer
     key = (on_build, on_create)
     with _lock:
         if not _open:
             _stock.update(build=base.__dict__["build"], __init__=base.__dict__["__init__"],
-                          apply=base.__dict__["apply"])
+                          apply=base.__dict__["apply"], loss_scale_apply=loss_scale.__dict__["apply"])
             base.build, base.__init__, base.apply = _build_with_hooks, _init_with_hooks, _apply_with_hooks
+            loss_scale.apply = _loss_scale_apply_with_hooks
         _open[key] = _open.get(key, 0) + 1
     try:
         yield
@@ -90,6 +121,7 @@ def optimizer_hooks(on_build: Callable, on_create: Callable | None = None) -> It
                 del _open[key]
             if not _open:
                 base.build, base.__init__, base.apply = _stock.pop("build"), _stock.pop("__init__"), _stock.pop("apply")
+                loss_scale.apply = _stock.pop("loss_scale_apply")
 
 
 def hook_instance_build(optimizer, on_build: Callable) -> None:

@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         num_params = args.params  # an int: count_argument parsed it
         by_dtype = {POLICY_VARIABLE_DTYPE[args.dtype_policy or "float32"]: num_params}
-    variable_dtype = max(by_dtype, key=by_dtype.get)  # the optimizer's state is measured on the commonest
     param_bytes = sum(n * dtype_bytes(d) for d, n in by_dtype.items()) / max(1, num_params)
     if optimizer is None:
         try:
@@ -158,7 +157,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ConfigError(f"--optimizer: Keras has no optimizer {args.optimizer!r}; try adam, sgd, "
                               "rmsprop, adagrad, adamw.") from None
-    opt_name, state_bytes = state_bytes_per_param(optimizer, variable_dtype)
+    # Keras' slots take their variable's dtype: the state per parameter, measured per dtype and weighted by its count
+    fresh = lambda: type(optimizer).from_config(optimizer.get_config())  # noqa: E731  (one build each)
+    measured = ({d: state_bytes_per_param(fresh(), d) for d in by_dtype}
+                or {"float32": state_bytes_per_param(fresh())})
+    opt_name = next(iter(measured.values()))[0]
+    state_bytes = (sum(n * measured[d][1] for d, n in by_dtype.items()) / num_params if num_params
+                   else next(iter(measured.values()))[1])
     stages = {s: zero_formula(num_params, args.replicas, s, state_bytes=state_bytes, param_bytes=param_bytes,
                               grad_bytes=param_bytes) for s in (0, 1, 2, 3)}
     # Every stage creates the model replicated (a full copy per replica) and ZeRO-3 cuts it when the optimizer

@@ -5,9 +5,9 @@ variables (and so their gradients) in float32, and summing the gradients in bflo
 bytes every step sends (Megatron-LM's `grad_reduce_in_fp32=False`, DeepSpeed's `communication_data_type`). The
 other way round, bfloat16 gradients of a `"bfloat16"` policy can be summed in float32 (`grad_dtype="float32"`).
 
-The sum is the wire dtype's: it rounds every partial sum to it. Keras divides each replica's loss by the number
-of replicas before the gradients, so the sum is of the mean's size and float16's range holds it as it holds one
-device's gradients.
+The sum is the wire dtype's: it rounds every partial sum to it. Under a LossScaleOptimizer (mixed_float16) the
+data-parallel path sums gradients Keras has already unscaled (ZeRO-3 sums them scaled, in the backward), so float16
+is refused there (`check_unscaled_sum`): bfloat16 has float32's range.
 
 Example:
     >>> check_sum_dtype("bfloat16")
@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["SUM_DTYPES", "check_sum_dtype", "summed_in"]
+__all__ = ["SUM_DTYPES", "check_sum_dtype", "check_unscaled_sum", "summed_in"]
 
 #: the dtypes a sum can be carried in
 SUM_DTYPES = (tf.bfloat16, tf.float16, tf.float32, tf.float64)
@@ -45,6 +45,19 @@ def check_sum_dtype(value, parameter: str = "grad_dtype") -> tf.DType | None:
         raise ConfigError(f"{parameter} must be a floating dtype to sum gradients in ('bfloat16', 'float16', "
                           f"'float32' or 'float64'; None sums them in their own dtype), got {value!r}.")
     return dtype
+
+
+def check_unscaled_sum(dtype: tf.DType | None, optimizers: Sequence, where: str) -> None:
+    """ConfigError for float16 sums of gradients a LossScaleOptimizer among `optimizers` (those applying now) has
+    already unscaled: there float16 loses the small ones, and a sum that overflows comes after its finite check."""
+    import keras
+
+    if dtype == tf.float16 and any(isinstance(o, keras.optimizers.LossScaleOptimizer) for o in optimizers):
+        raise ConfigError(
+            f"grad_dtype='float16' under a LossScaleOptimizer (mixed_float16): {where} the gradients are summed after "
+            "Keras has removed the loss scale, where float16 loses the small ones and a sum that overflows comes "
+            "after the finite check. Use grad_dtype='bfloat16' (float32's range), or zero_stage=3 (its "
+            "reduce-scatter runs in the backward, on the scaled gradients).")
 
 
 def summed_in(dtype: tf.DType | None, tensors: Sequence[tf.Tensor], reduce: Callable[[list], list],

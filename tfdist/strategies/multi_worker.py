@@ -119,7 +119,7 @@ class MultiWorkerMirroredStrategy(ReusedInputIterators, DataParallel, tf.distrib
                         "subprocesses (tfdist launch).")
         self._register_sharding(self._shard_collectives, host_device=self._host_device())
         self._attach_uneven_data(uneven_data, fused=True)  # TF sums the gradients' float32 pack exactly
-        self._attach_gradient_path(bucket_cap_mb)  # the flags then ride along with the first float32 bucket
+        self._attach_gradient_path(bucket_cap_mb)  # the flags ride along with the first float32 bucket (not 16-bit)
 
     @property
     def cluster_config(self) -> ClusterConfig | None:

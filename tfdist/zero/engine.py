@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
-from tfdist.comm.sum_dtype import summed_in
+from tfdist.comm.sum_dtype import check_unscaled_sum, summed_in
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
@@ -273,6 +273,7 @@ class ZeroEngine:
                     if layout.padded > layout.total:
                         parts.append(tf.zeros([layout.padded - layout.total], self.dtype))
                     flats.append(tf.concat(parts, 0))
+            check_unscaled_sum(self.config.grad_dtype, keras_optimizer.applying(), f"at zero_stage {self.stage}")
             shards = summed_in(self.config.grad_dtype, flats, comm.reduce_scatter_flat, comm.devices)
             self.kept_gradient_bytes = [int(np.prod(s.shape)) * s.dtype.size for s in shards]
         return shards, params, lrs

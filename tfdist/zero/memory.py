@@ -58,7 +58,7 @@ class MemoryReport:
     stage: int
     replicas: int
     num_params: int
-    state_bytes_per_param: int
+    state_bytes_per_param: float
     rows: list[ReplicaMemory] = field(default_factory=list)
     formula: dict[str, float] = field(default_factory=dict)
     gradients_source: str = ""
@@ -77,7 +77,7 @@ class MemoryReport:
     def __str__(self) -> str:
         mb = lambda b: "   n/a" if b is None else f"{b / 2**20:9.3f}"  # noqa: E731
         lines = [f"ZeRO stage {self.stage}, {self.replicas} replicas, {self.num_params:,} parameters, "
-                 f"optimizer state {self.state_bytes_per_param} B/param",
+                 f"optimizer state {self.state_bytes_per_param:g} B/param",
                  f"{'replica device':44s} {'params':>9s} {'grads':>9s} {'opt state':>9s} {'shard buf':>9s}  MiB"]
         for r in self.rows:
             lines.append(f"{r.device:44s} {mb(r.params)} {mb(r.gradients)} {mb(r.optimizer_state)} {mb(r.shard_buffer)}")
@@ -167,7 +167,7 @@ def memory_report(strategy, model) -> MemoryReport:
                        "the full all-reduced gradient per replica"))
         else:
             source = "not measured yet (run at least one training step)"
-    state_bytes = int(round(full / max(1, num_params)))
+    state_bytes = full / max(1, num_params)  # a float: a mixed-dtype model's slots average between the dtypes
     replicas = strategy.num_replicas_in_sync  # all processes' replicas (the formula's N)
     report = MemoryReport(stage=stage, replicas=replicas, num_params=num_params, state_bytes_per_param=state_bytes,
                           rows=list(rows.values()), gradients_source=source)

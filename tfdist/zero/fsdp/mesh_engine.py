@@ -11,6 +11,7 @@ from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.zero.config import ZeroConfig
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.engine import Zero3Engine, find_units, shard_parameters
+from tfdist.zero.fsdp.regularizers import shard_regularizers
 from tfdist.zero.fsdp.unit import FsdpUnit
 from tfdist.zero.mesh_engine import GroupedZeroEngine
 
@@ -47,11 +48,14 @@ class GroupedZero3Engine(GroupedZeroEngine):
                  collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
                  whole: Callable[[object], bool] = lambda layer: False, logical: Sequence[int] | None = None,
                  unit_bytes: int | None = None, reshard_after_forward: bool = True, prefetch: bool = False):
-        units = find_units(model, list(variables), unit_bytes, whole)  # errors before anything changes
+        units = find_units(model, list(variables), unit_bytes, whole,  # errors before anything changes
+                           piece_regularizers=True)
         super().__init__(optimizer, variables, devices, 3, host_device, collectives, logical)
         comm_of, param_of = {}, {}
         for engine in self.engines:
             shard_parameters(engine, engine.variables, engine.config)
+            # L1/L2 penalties per piece: a split weight's shards each add theirs (as at stage 0), cut over the rows
+            shard_regularizers(engine.variables, engine.params)
             for v, p in zip(engine.variables, engine.params):
                 comm_of[id(v)], param_of[id(v)] = engine.comm, p
         self.units = [FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm_of[id(owned[0])],
