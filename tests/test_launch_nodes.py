@@ -59,6 +59,22 @@ def meet(address: str, nodes: list[NodeInfo], timeout_s: float = 10) -> dict[str
     return answers
 
 
+
+def environments_in_threads(backends: list, n: int) -> dict[int, list]:
+    """Each node backend's worker environments for `n` workers per node, the nodes meeting in threads at once."""
+    envs: dict[int, list] = {}
+
+    def start(r):
+        with backends[r].environments(n, 1) as e:
+            envs[r] = e
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in range(len(backends))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return envs
+
 def test_the_rendezvous_orders_nodes_meets_again_per_round_and_names_each_bad_node():
     with RendezvousServer("127.0.0.1", 0, nnodes=3, timeout_s=5) as server:
         nodes = [NodeInfo(r, 3, 2, f"10.0.0.{r + 1}", [2000 + r, 3000 + r]) for r in (2, 0, 1)]
@@ -97,17 +113,7 @@ def test_each_start_of_a_node_meets_the_others_again_with_fresh_ports():
         backends = [NodesTFConfigBackend(server.address, r, 2, 10) for r in range(2)]
         rounds = []
         for _ in range(2):
-            envs: dict[int, list] = {}
-
-            def start(r):
-                with backends[r].environments(2, 1) as e:
-                    envs[r] = e
-
-            threads = [threading.Thread(target=start, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+            envs = environments_in_threads(backends, 2)
             configs = [json.loads(e["TF_CONFIG"]) for r in range(2) for e in envs[r]]
             assert [c["task"]["index"] for c in configs] == [0, 1, 2, 3]
             assert [e["TFDIST_RANK"] for r in range(2) for e in envs[r]] == ["0", "1", "2", "3"]
@@ -173,17 +179,7 @@ def test_the_rendezvous_serves_and_joins_over_ipv6_with_bracketed_tf_config_addr
             assert server.address.startswith(f"[{host}]:"), server.address
             backends = [NodesTFConfigBackend(server.address, r, 2, 10) for r in range(2)]
             assert address_towards(host) == f"[{host}]"  # the route to a local address starts at that address
-            envs: dict[int, list] = {}
-
-            def start(r, backends=backends, envs=envs):
-                with backends[r].environments(1, 1) as e:
-                    envs[r] = e
-
-            threads = [threading.Thread(target=start, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
+            envs = environments_in_threads(backends, 1)
             workers = [json.loads(envs[r][0]["TF_CONFIG"])["cluster"]["worker"] for r in range(2)]
             assert workers[0] == workers[1] and all(w.rsplit(":", 1)[0] == f"[{host}]" for w in workers[0]), workers
 

@@ -67,24 +67,25 @@ def _apply_with_hooks(self, grads, trainable_variables=None):
             replica.merge_call(build_eagerly)  # once, in cross-replica context, while the replicas wait
         else:
             build_eagerly()
-    with _lock:
-        _applying.append(self)
-    try:
+    with _applying_now(self):
         return _stock["apply"](self, grads, trainable_variables)
-    finally:
-        with _lock:
-            _applying.remove(self)
 
 
 def _loss_scale_apply_with_hooks(self, grads, trainable_variables=None):
     # LossScaleOptimizer overrides apply(): counted too, so `applying()` shows that the step is loss-scaled
-    with _lock:
-        _applying.append(self)
-    try:
+    with _applying_now(self):
         return _stock["loss_scale_apply"](self, grads, trainable_variables)
+
+
+@contextlib.contextmanager
+def _applying_now(optimizer) -> Iterator[None]:
+    with _lock:
+        _applying.append(optimizer)
+    try:
+        yield
     finally:
         with _lock:
-            _applying.remove(self)
+            _applying.remove(optimizer)
 
 
 def _init_with_hooks(self, *args, **kwargs):
