@@ -60,7 +60,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def run_launch(tmp_path: Path, n: int, scenarios: str, backend: str = "tf") -> str:
-    """Runs the worker as n processes through tfdist's launcher; returns the output (fails on a bad exit)."""
+    """Runs the worker as n processes through tfdist's launcher; returns the output (fails on a bad exit, unless
+    the only bad exit is TensorFlow's race after a collective's timeout: `timeout_race`)."""
     from tfdist.cluster.launcher import launch
 
     out = io.StringIO()
@@ -70,8 +71,17 @@ def run_launch(tmp_path: Path, n: int, scenarios: str, backend: str = "tf") -> s
                       backend=backend, env=ENV, out=out, timeout_s=300)
     finally:
         os.environ.update(saved)
-    assert code == 0, out.getvalue()[-6000:]
+    assert code == 0 or ("timeout" in scenarios and timeout_race(out.getvalue())), out.getvalue()[-6000:]
     return out.getvalue()
+
+
+def timeout_race(out: str) -> set[int]:
+    """The ranks TensorFlow's race after a collective's timeout killed (docs/troubleshooting.md#a-collective-times-out):
+    a rank that logged the timeout, then died by SIGSEGV in a gRPC thread. Its timeout did fire (no hang); only its
+    own note of the error is lost. Rank 0 skips the collective, so it never times out."""
+    killed = {int(r) for r in re.findall(r"^\[launch\] worker (\d+) \(pid \d+\) was killed by SIGSEGV", out, re.M)}
+    timed_out = {int(r) for r in re.findall(r"^\[(\d+)\] .*Collective has timed out during execution", out, re.M)}
+    return killed if killed and killed <= timed_out and 0 not in killed else set()
 
 
 def run_mpirun(tmp_path: Path, n: int, scenarios: str) -> str:
@@ -201,8 +211,11 @@ def check_errors(notes: list[dict], results: list[dict]) -> None:
                    and k != "mismatch_function"), e
 
 
-def check_timeout(notes: list[dict]) -> None:
+def check_timeout(notes: list[dict], raced: set[int] = frozenset()) -> None:
     for note in notes[1:]:
+        if note["rank"] in raced:
+            assert "timeout" not in note, note  # it died before writing its note: only then is it excused
+            continue
         assert note["timeout"].startswith("CollectiveError"), note["timeout"]
         assert "timeout_s" in note["timeout"] and "same order" in note["timeout"], note["timeout"]
         # No time bound here (shared machines): a hang would end in the launcher's timeout and a bad exit.
@@ -210,6 +223,16 @@ def check_timeout(notes: list[dict]) -> None:
 
 
 # -- in one process ------------------------------------------------------------------------------
+def test_only_tensorflows_race_after_a_timeout_excuses_a_crashed_rank():
+    logged = ("[1] E0000 00:00:1796060891.329027   28556 base_collective_executor.cc:252] BaseCollectiveExecutor::"
+              "StartAbort DEADLINE_EXCEEDED: Collective has timed out during execution.\n")
+    killed = "[launch] worker {} (pid 26147) was killed by SIGSEGV; stopping worker(s) [0]\n"
+    assert timeout_race(logged + killed.format(1)) == {1}  # as a CI run printed it
+    assert timeout_race(killed.format(1)) == set()  # a crash without a timeout first
+    assert timeout_race(logged.replace("[1]", "[0]") + killed.format(0)) == set()  # rank 0 never waits
+    assert timeout_race(logged + killed.format(1).replace("SIGSEGV", "SIGABRT")) == set()
+
+
 def test_before_init_every_call_says_to_call_init(monkeypatch):
     monkeypatch.setattr(state.STATE, "backend", None)
     for call in (comm.rank, comm.size, lambda: comm.all_reduce(tf.ones([2])), comm.barrier,
@@ -342,7 +365,7 @@ def test_comm_group_keys_lie_above_every_strategys(monkeypatch):
 # -- real processes ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_tf_backend_two_processes_every_op_every_dtype(tmp_path):
-    run_launch(tmp_path, 2, "battery,function,shapes,errors,timeout")
+    out = run_launch(tmp_path, 2, "battery,function,shapes,errors,timeout")
     notes, results = load(tmp_path, 2)
     assert [(n["rank"], n["size"], n["local_rank"], n["backend"]) for n in notes] == [(0, 2, 0, "tf"), (1, 2, 1, "tf")]
     assert check_ops(results, "battery", worker.DTYPES, 2) == 260  # 15 dtypes x (ops + 4 collectives) x 2 ranks
@@ -350,7 +373,7 @@ def test_tf_backend_two_processes_every_op_every_dtype(tmp_path):
     check_shapes(results, "shapes", 2)
     check_shapes(results, "shapes_function", 2)
     check_errors(notes, results)
-    check_timeout(notes)
+    check_timeout(notes, timeout_race(out))
 
 
 @pytest.mark.slow
