@@ -6,6 +6,8 @@ shard. Every strategy must skip the same step and keep the same scale as one dev
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -68,7 +70,7 @@ def test_a_step_whose_gradient_overflows_on_one_replica_is_skipped_by_all_at_eve
 
 # --- grad_dtype: the dtype the gradients are summed in across replicas ------------------------------------------
 
-def dyadic_step(strategy, grad_dtype_policy: str = "float32") -> np.ndarray:
+def dyadic_step(strategy, grad_dtype_policy: str = "float32", models: list | None = None) -> np.ndarray:
     """One SGD step of a bias-free Dense(2) on 8 samples whose values have few significant bits: each replica's
     gradient is exact in float32 but needs more bits than bfloat16 (8) or float16 (11) hold, so the dtype of the
     sum shows in the updated kernel, and rounding is the same on every CPU (no float32 rounding anywhere)."""
@@ -80,6 +82,8 @@ def dyadic_step(strategy, grad_dtype_policy: str = "float32") -> np.ndarray:
             2, use_bias=False, kernel_initializer=keras.initializers.Constant(w0))])
         model.compile(keras.optimizers.SGD(1 / 16), "mse")
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    if models is not None:
+        models.append(model)
     return model.get_weights()[0]
 
 
@@ -117,6 +121,36 @@ def test_grad_dtype_sums_the_gradients_in_that_dtype_at_every_stage():
         strategy = tfdist.MirroredStrategy(two, zero_stage=stage, grad_dtype=grad_dtype)
         np.testing.assert_array_equal(dyadic_step(strategy), expected_kernel(sum_dtype),
                                       err_msg=f"zero_stage={stage}, grad_dtype={grad_dtype}")
+
+
+def test_grad_dtype_on_a_mesh_sums_each_shards_gradient_in_that_dtype_at_every_stage(monkeypatch):
+    """ModelParallelStrategy, 2 rows x 2 model devices: the kernel split by columns, each shard's gradient summed
+    over the rows where it lives; the same hand-computed kernel as two data-parallel replicas."""
+    import tensorflow as tf
+
+    from tfdist.errors import ConfigError
+
+    mesh = tfdist.DeviceMesh((2, 2), ("batch", "model"), ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"])
+    layout_map = tfdist.LayoutMap(mesh)
+    layout_map[".*dense.*/kernel"] = (None, "model")
+    runs = {(0, None): tf.float64, (0, "bfloat16"): tf.bfloat16, (0, "float16"): tf.float16,
+            (1, "bfloat16"): tf.bfloat16, (2, "bfloat16"): tf.bfloat16, (3, "bfloat16"): tf.bfloat16}
+    for (stage, grad_dtype), sum_dtype in runs.items():
+        strategy = tfdist.ModelParallelStrategy(layout_map, zero_stage=stage, grad_dtype=grad_dtype)
+        models: list = []
+        np.testing.assert_array_equal(dyadic_step(strategy, models=models), expected_kernel(sum_dtype),
+                                      err_msg=f"mesh, zero_stage={stage}, grad_dtype={grad_dtype}")
+        (split,) = strategy.shard_plan(models[0]).layers  # the kernel's columns, one half per model device
+        assert [tuple(v.shape) for v in split.shards["kernel"]] == [(3, 1), (3, 1)], split.shards
+    with pytest.raises(ConfigError, match=r"^grad_dtype must be a floating dtype.*got 'int8'"):
+        tfdist.ModelParallelStrategy(layout_map, grad_dtype="int8")
+    # a mesh across processes: refused before anything starts (the job's TF_CONFIG is all it reads)
+    job = {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(job))
+    spread = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/job:worker/replica:0/task:{t}/device:CPU:{d}"
+                                                             for t in (0, 1) for d in (0, 1)])
+    with pytest.raises(ConfigError, match=r"^grad_dtype=bfloat16: ModelParallelStrategy .* within one process only"):
+        tfdist.ModelParallelStrategy(tfdist.LayoutMap(spread), grad_dtype="bfloat16")
 
 
 def test_grad_dtype_under_mixed_bfloat16_equals_one_device_and_bad_values_are_config_errors():

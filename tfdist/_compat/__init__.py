@@ -20,6 +20,7 @@ version check runs before them):
 - `comm._horovod_sets`: finding a Horovod process set registered earlier;
 - `data_parallel._grad_path`, `data_parallel._no_sync`, `data_parallel._fused_flags`: a step's gradient
   all-reduce handed to buckets and hooks, accumulation instead of `apply`, numbers riding along with it;
+- `data_parallel._sum_in_dtype`: a step's gradient reduction carried in another dtype, gradient by gradient;
 - `data_parallel._uneven_input`, `data_parallel._rewinding_input`: distributed datasets for uneven per-rank data
   and one iterator rewound per pass;
 - `zero.fsdp._keras`: a layer's own variables and per-instance call wrapping for stage 3;

@@ -42,7 +42,7 @@ class GroupedZeroEngine:
 
     `devices` lists this process's copies; `collectives(group devices)` gives each group its `ShardCollectives`
     (default `LocalCollectives`: every replica in this process; across processes, collectives whose shards are
-    the global replicas).
+    the global replicas). `grad_dtype`: the dtype each group's reduce-scatter sums in (`ZeroConfig.grad_dtype`).
 
     Example:
         >>> engine = tfdist.zero.engine_of(model.optimizer)   # ModelParallelStrategy(..., zero_stage=1)
@@ -53,7 +53,7 @@ class GroupedZeroEngine:
     def __init__(self, optimizer, variables: list, devices: Sequence[Sequence[str]], stage: int,
                  host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
                  collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
-                 logical: Sequence[int] | None = None):
+                 logical: Sequence[int] | None = None, grad_dtype: tf.DType | None = None):
         if len(devices) != len(variables):
             raise ValueError(f"{len(variables)} variables but {len(devices)} device lists")
         self._optimizer = weakref.ref(optimizer)
@@ -68,8 +68,8 @@ class GroupedZeroEngine:
         self.group_indices = list(groups.values())
         self._where = {i: (g, j) for g, indices in enumerate(self.group_indices) for j, i in enumerate(indices)}
         self.engines = [
-            self._group_engine(optimizer, [variables[i] for i in indices],
-                               ZeroConfig(stage, False, collectives(list(listed)), host_device), g)
+            self._group_engine(optimizer, [variables[i] for i in indices], ZeroConfig(
+                stage, False, collectives(list(listed)), host_device, grad_dtype=grad_dtype), g)
             for g, (listed, indices) in enumerate(groups.items())]
         # clipnorm and global_clipnorm: by the norms of the logical variables over every group (`_set_clip_factors`)
         logical = list(range(len(variables))) if logical is None else list(logical)

@@ -11,6 +11,8 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
+from tfdist.comm.sum_dtype import check_sum_dtype
+from tfdist.data_parallel._sum_in_dtype import sum_gradients_in
 from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.pipeline.layer_call import colocate_with_inputs
@@ -73,6 +75,9 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch: zero_stage 3's options, as in
             `tfdist.MirroredStrategy`, per device group.
         backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod".
+        grad_dtype: the dtype gradients are summed in over the batch axis, each cast before the sum and back after
+            (`"bfloat16"` under a `mixed_bfloat16` policy halves the bytes; None: their own dtype), at every
+            `zero_stage`, as in `tfdist.MirroredStrategy`. A mesh in one process only, for now.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -96,8 +101,10 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
     def __init__(self, layout_map, batch_dim_name: str = "batch", *, stage_dim_name: str = "stage",
                  placement=None, balance: str = "params", micro_batches: int = 1, stage_streams: bool | None = None,
                  timeout_s: float = 60.0, zero_stage: int = 0, fsdp_unit_bytes: int | None = None,
-                 reshard_after_forward: bool = True, fsdp_prefetch: bool = False, backend: str = "auto"):
+                 reshard_after_forward: bool = True, fsdp_prefetch: bool = False, backend: str = "auto",
+                 grad_dtype=None):
         self.zero_stage = check_stage(zero_stage, (0, 1, 2, 3))
+        self.grad_dtype = check_sum_dtype(grad_dtype, "grad_dtype")
         self._fsdp = Stage3Options.check(self.zero_stage, fsdp_unit_bytes, reshard_after_forward, fsdp_prefetch)
         self._layout_map: LayoutMap = as_layout_map(layout_map)
         mesh = self._layout_map.device_mesh
@@ -124,6 +131,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         tf_backend = self.backend == "tf"
         rows = process_rows(self._grid) if tf_backend else horovod_rows(self._grid, self.timeout_s)
         self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.training.save_model
+        if rows is not None and self.grad_dtype is not None:
+            raise ConfigError(f"grad_dtype={self.grad_dtype.name}: ModelParallelStrategy sums gradients in another "
+                              "dtype on a mesh within one process only, for now; this mesh spans processes. Leave "
+                              "grad_dtype=None here, or use tfdist.MultiWorkerMirroredStrategy / HorovodStrategy "
+                              "(grad_dtype= across processes) if the model fits one device.")
         if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
             check_process_options(rows, self.zero_stage, self._groups, stage_dim_name, self.backend)
             make_extended, self._server = (start_processes if tf_backend else start_horovod)(self, rows, self.timeout_s)
@@ -135,8 +147,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             return
         # Gradients of shard k are summed over the rows on row 0's k-th device and copied back (never through
         # one device for all shards); replicated variables' on row 0's first device.
-        tf_distribute.init_strategy(self, lambda: tf_distribute.PlacementExtended(
-            self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice()))
+        # grad_dtype: at zero_stage 0 each gradient is cast where it lives around that reduction; ZeRO's engines
+        # cast their reduce-scatters themselves.
+        tf_distribute.init_strategy(self, lambda: sum_gradients_in(
+            tf_distribute.PlacementExtended(self, [row[0] for row in self._grid], tf.distribute.ReductionToOneDevice()),
+            None if self.zero_stage else self.grad_dtype, "under ModelParallelStrategy at zero_stage 0"))
         # (rank 3: a row's first device is its stage-0 group's first device; the same reduction then sums each
         # variable on row 0's copy of it, i.e. on its own stage group.)
 

@@ -87,10 +87,10 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
                                         whole=lambda layer: isinstance(layer, keras.layers.MultiHeadAttention),
                                         logical=logical, unit_bytes=options.unit_bytes,
                                         reshard_after_forward=options.reshard_after_forward,
-                                        prefetch=options.prefetch)
+                                        prefetch=options.prefetch, grad_dtype=strategy.grad_dtype)
         else:
             engine = GroupedZeroEngine(optimizer, variables, devices, strategy.zero_stage,
-                                       **collectives(), logical=logical)
+                                       **collectives(), logical=logical, grad_dtype=strategy.grad_dtype)
         register_engine(optimizer, engine)
     # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
     if not strategy.zero_stage and SummedGradientUpdate.needed(optimizer):

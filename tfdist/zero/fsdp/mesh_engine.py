@@ -47,10 +47,11 @@ class GroupedZero3Engine(GroupedZeroEngine):
                  host_device: str = "/job:localhost/replica:0/task:0/device:CPU:0",
                  collectives: Callable[[list[str]], ShardCollectives] = LocalCollectives,
                  whole: Callable[[object], bool] = lambda layer: False, logical: Sequence[int] | None = None,
-                 unit_bytes: int | None = None, reshard_after_forward: bool = True, prefetch: bool = False):
+                 unit_bytes: int | None = None, reshard_after_forward: bool = True, prefetch: bool = False,
+                 grad_dtype: tf.DType | None = None):
         units = find_units(model, list(variables), unit_bytes, whole,  # errors before anything changes
                            piece_regularizers=True)
-        super().__init__(optimizer, variables, devices, 3, host_device, collectives, logical)
+        super().__init__(optimizer, variables, devices, 3, host_device, collectives, logical, grad_dtype)
         comm_of, param_of = {}, {}
         for engine in self.engines:
             shard_parameters(engine, engine.variables, engine.config)
@@ -60,7 +61,7 @@ class GroupedZero3Engine(GroupedZeroEngine):
                 comm_of[id(v)], param_of[id(v)] = engine.comm, p
         self.units = [FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], comm_of[id(owned[0])],
                                comms=[comm_of[id(v)] for v in owned], reshard_after_forward=reshard_after_forward,
-                               prefetch=prefetch) for layer, owned in units]
+                               prefetch=prefetch, grad_dtype=grad_dtype) for layer, owned in units]
         fsdp_keras.reset_step_functions(model)
 
     def _group_engine(self, optimizer, variables: list, config: ZeroConfig, group: int) -> Zero3Engine:
