@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tfdist.errors import ConfigError
 
-__all__ = ["SUM_DTYPES", "check_sum_dtype", "check_unscaled_sum", "summed_in"]
+__all__ = ["SUM_DTYPES", "check_sum_dtype", "check_unscaled_sum", "gradient_sum_dtype", "summed_in"]
 
 #: the dtypes a sum can be carried in
 SUM_DTYPES = (tf.bfloat16, tf.float16, tf.float32, tf.float64)
@@ -58,6 +58,18 @@ def check_unscaled_sum(dtype: tf.DType | None, optimizers: Sequence, where: str)
             "Keras has removed the loss scale, where float16 loses the small ones and a sum that overflows comes "
             "after the finite check. Use grad_dtype='bfloat16' (float32's range), or zero_stage=3 (its "
             "reduce-scatter runs in the backward, on the scaled gradients).")
+
+
+def gradient_sum_dtype(dtype: tf.DType | None, where: str) -> tf.DType | None:
+    """`dtype` for a reduction made while a Keras optimizer applies gradients (the gradients' sum), checked by
+    `check_unscaled_sum`; None for any other reduction (a metric's, a synchronized statistic's) or `dtype` None."""
+    from tfdist._compat import keras_optimizer
+
+    optimizers = keras_optimizer.applying()
+    if dtype is None or not optimizers:
+        return None
+    check_unscaled_sum(dtype, optimizers, where)
+    return dtype
 
 
 def summed_in(dtype: tf.DType | None, tensors: Sequence[tf.Tensor], reduce: Callable[[list], list],

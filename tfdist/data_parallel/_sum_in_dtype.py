@@ -12,14 +12,15 @@ Only the gradients' sum is cast: SUM reductions of floating values while a Keras
 
 from __future__ import annotations
 
+import tfdist._compat  # noqa: F401  (the TF/Keras version check, before any reach-in below)
+
 import functools
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
 
-from tfdist._compat import keras_optimizer
-from tfdist.comm.sum_dtype import check_unscaled_sum
+from tfdist.comm.sum_dtype import gradient_sum_dtype
 
 __all__ = ["sum_gradients_in"]
 
@@ -43,11 +44,9 @@ def _summing_in(extended_class: type) -> type:
         tfdist_sum_where = ""
 
         def _sum_dtype(self, reduce_op) -> tf.DType | None:
-            optimizers = keras_optimizer.applying()
-            if self.tfdist_sum_dtype is None or reduce_op != tf.distribute.ReduceOp.SUM or not optimizers:
+            if reduce_op != tf.distribute.ReduceOp.SUM:
                 return None
-            check_unscaled_sum(self.tfdist_sum_dtype, optimizers, self.tfdist_sum_where)
-            return self.tfdist_sum_dtype
+            return gradient_sum_dtype(self.tfdist_sum_dtype, self.tfdist_sum_where)
 
         def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
             dtype = self._sum_dtype(reduce_op)
@@ -58,7 +57,9 @@ def _summing_in(extended_class: type) -> type:
             return [_cast(o, _dtype_of(v)) for o, (v, _) in zip(out, value_destination_pairs)]
 
         def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-            dtype = None if self._use_merge_call() else self._sum_dtype(reduce_op)  # merge_call: _batch_reduce_to
+            # With merge_call the replicas meet in _batch_reduce_to above; without it (MirroredStrategy does so
+            # for a step compiled by XLA on GPUs only) each replica reduces here.
+            dtype = None if self._use_merge_call() else self._sum_dtype(reduce_op)
             if dtype is None:
                 return super()._replica_ctx_all_reduce(reduce_op, value, options)
             flat = tf.nest.flatten(value)

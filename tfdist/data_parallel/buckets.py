@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from tfdist._compat import keras_optimizer
-from tfdist.comm.sum_dtype import check_unscaled_sum, summed_in
+from tfdist.comm.sum_dtype import gradient_sum_dtype, summed_in
 from tfdist.errors import ConfigError
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "GradBucket", "GradientPath", "plan_buckets"]
@@ -134,7 +133,8 @@ class GradientPath:
             bucket = GradBucket(index, buffers, grads, list(devices), list(members), self.num_replicas,
                                 _all_reduce=all_reduce, _count=self._count)
             summed = (self.hook(bucket) if self.hook is not None
-                      else summed_in(self._sum_dtype(), buffers, bucket.all_reduce, devices))
+                      else summed_in(gradient_sum_dtype(self.sum_dtype, "at zero_stage 0"), buffers,
+                                     bucket.all_reduce, devices))
             summed = _checked(self.hook, bucket, summed)
             for d, device in enumerate(devices):
                 with tf.device(device):
@@ -142,14 +142,6 @@ class GradientPath:
                     for i, g, part in zip(members, grads[d], parts):
                         out[d][i] = tf.reshape(part, tf.shape(g))
         return out
-
-    def _sum_dtype(self) -> tf.DType | None:
-        """`sum_dtype` for a reduction of gradients (inside an optimizer's apply), None for every other one."""
-        optimizers = keras_optimizer.applying()
-        if self.sum_dtype is None or not optimizers:
-            return None
-        check_unscaled_sum(self.sum_dtype, optimizers, "at zero_stage 0")
-        return self.sum_dtype
 
     def _count(self, tensors: list[tf.Tensor]) -> None:
         t = tensors[0]
