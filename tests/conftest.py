@@ -114,18 +114,6 @@ def run_python(code: str, *args: str, timeout: float = 300, env: dict | None = N
     return proc
 
 
-def tf_timeout_race(out: str) -> set[int]:
-    """The ranks of a `tfdist launch` output that TensorFlow's race after a collective's timeout killed
-    (docs/troubleshooting.md#a-collective-times-out): each logged TF's timeout, then died by SIGSEGV (a gRPC thread
-    reaching the finished op's freed cancellation manager). Their timeout did fire: no hang; what they would have
-    printed after it is lost. Empty unless every SIGSEGV is such a rank."""
-    import re
-
-    killed = {int(r) for r in re.findall(r"^\[launch\] worker (\d+) \(pid \d+\) was killed by SIGSEGV", out, re.M)}
-    timed_out = {int(r) for r in re.findall(r"^\[(\d+)\] .*Collective has timed out during execution", out, re.M)}
-    return killed if killed <= timed_out else set()
-
-
 @pytest.fixture
 def python():
     return run_python

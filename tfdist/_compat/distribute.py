@@ -24,7 +24,7 @@ __all__ = [
     "PlacementExtended",
     "ProcessCrossDeviceOps", "ProcessGroup", "collective_launchers", "collective_server", "devices_of",
     "first_global_replica_id", "init_strategy", "is_mirrored", "launcher_all_gather", "launcher_all_reduce_sum",
-    "launcher_all_to_all", "launcher_device", "local_values",
+    "launcher_all_to_all", "launcher_device", "launcher_timeout", "local_values",
     "reduce_non_distributed_value", "regroup_per_replica", "strategy_task", "uses_merge_call", "variable_strategy",
 ]
 
@@ -367,21 +367,31 @@ def launcher_device(launcher) -> str:
     return launcher._device
 
 
-def launcher_all_reduce_sum(launcher, tensor: tf.Tensor) -> tf.Tensor:
-    """CollectiveReduceV2 (sum) of `tensor` over the launcher's group."""
-    return launcher.all_reduce(tensor)
+def launcher_timeout(launcher) -> float | None:
+    """The `timeout_seconds` a collective launcher gives its ops (the strategy's CommunicationOptions)."""
+    return launcher._options.timeout_seconds
 
 
-def launcher_all_gather(launcher, tensor: tf.Tensor) -> tf.Tensor:
+def _options(timeout_s: float | None):
+    """Options overriding only the op's timeout (None: the launcher's own; 0: none)."""
+    return None if timeout_s is None else tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_s)
+
+
+def launcher_all_reduce_sum(launcher, tensor: tf.Tensor, timeout_s: float | None = None) -> tf.Tensor:
+    """CollectiveReduceV2 (sum) of `tensor` over the launcher's group (`timeout_s`: see `_options`)."""
+    return launcher.all_reduce(tensor, options=_options(timeout_s))
+
+
+def launcher_all_gather(launcher, tensor: tf.Tensor, timeout_s: float | None = None) -> tf.Tensor:
     """CollectiveGatherV2: the group's tensors concatenated along axis 0, in group-rank order."""
-    return launcher._all_gather(tensor, None)
+    return launcher._all_gather(tensor, _options(timeout_s))
 
 
-def launcher_all_to_all(launcher, tensor: tf.Tensor) -> tf.Tensor:
+def launcher_all_to_all(launcher, tensor: tf.Tensor, timeout_s: float | None = None) -> tf.Tensor:
     """CollectiveAllToAllV2: part r (of group_size equal parts along axis 0) of `tensor` goes to
     group rank r; the result holds, at position r, what rank r sent here."""
     instance_key = launcher._next_instance_key()
-    options = launcher._options
+    options = launcher._options.merge(_options(timeout_s))
     with tf.device(launcher._device):
         return _collective_ops.all_to_all_v2(
             tensor, launcher._group_size, launcher._group_key, instance_key,

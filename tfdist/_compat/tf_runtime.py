@@ -13,9 +13,9 @@ from tensorflow.python.eager import context as _eager_context
 from tensorflow.python.training.saving import saveable_object as _saveable_object
 from tensorflow.python.util import _pywrap_util_port
 
-__all__ = ["SavedTensor", "add_control_inputs", "call_time_value", "configure_coordination", "context_initialized",
-           "dataset_batch_size", "executed_partition_devices", "executed_partition_graphs", "onednn_enabled",
-           "outside_any_strategy", "partition_devices", "xspace_proto"]
+__all__ = ["SavedTensor", "abort_collectives", "add_control_inputs", "call_time_value", "configure_coordination",
+           "context_initialized", "dataset_batch_size", "executed_partition_devices", "executed_partition_graphs",
+           "onednn_enabled", "outside_any_strategy", "partition_devices", "xspace_proto"]
 
 T = TypeVar("T")
 
@@ -48,6 +48,16 @@ def configure_coordination(leader: str, jobs: dict[str, int], *, register_timeou
         heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
         shutdown_barrier_timeout_in_ms=int(shutdown_timeout_s * 1000),
         coordinated_jobs=coordinated)
+
+
+def abort_collectives(message: str) -> None:
+    """Fails every collective op of this process, running or to come, with DeadlineExceeded(`message`).
+
+    Unlike an op's own `timeout_seconds`, the abort completes a pending op only after its cancelled receive has
+    let go of the op (TF 2.21 frees the op's cancellation manager first on its timer path: a use after free that
+    can kill the process). Collectives cannot run again in this process afterwards.
+    """
+    _eager_context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
 def call_time_value(make: Callable[[], tf.Tensor], spec: tf.TensorSpec) -> tf.Tensor | None:

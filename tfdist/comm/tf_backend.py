@@ -13,8 +13,9 @@ send/recv pairs from PAIR_KEY_BASE (src * size + dst; group keys are int32, so u
 Instance keys count per group and are taken at call time (`_compat.tf_runtime.call_time_value`), so
 every process numbers its collectives alike even when tf.functions are traced at different moments.
 In a tf.function the ops run in program order, each even when its result is unused (`ProgramOrder`);
-TF keeps repeated runs in a tf.while_loop apart by frame and iteration. Every op carries
-`timeout_seconds`: a peer that does not take part fails it with DeadlineExceeded.
+TF keeps repeated runs in a tf.while_loop apart by frame and iteration. A peer that does not take part fails an
+op with DeadlineExceeded after `timeout_s`: eagerly through `deadline.bounded` (an abort), in a tf.function
+through the op's own `timeout_seconds`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tensorflow as tf
 from tfdist._compat import tf_runtime
 from tfdist._compat.distribute import COMM_KEY_BASE
 from tfdist._compat.ring import RING_MAX_SUBDIVS
+from tfdist.comm.deadline import bounded, op_timeout
 from tfdist.comm.process_group import Backend, Group
 from tfdist.comm.program_order import ProgramOrder
 from tfdist.comm.runtime import start_server
@@ -93,27 +95,27 @@ class TFBackend(Backend):
         return self._next_key(group_key) if captured is None else captured
 
     def _ordered(self, make: Callable[[], tf.Tensor]) -> tf.Tensor:
-        """Creates one collective on this process's device, in program order."""
+        """Creates one collective on this process's device, in program order (eagerly: runs it, bounded)."""
         with tf.device(self.device):
-            return self._order(make)
+            return bounded(self.timeout_s, lambda: self._order(make))
 
     # -- primitives ------------------------------------------------------------------------------
     def all_reduce(self, x: tf.Tensor, op: str, group: Group) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveReduceV2(
             input=x, group_size=group.size, group_key=group.key, instance_key=self._instance_key(group.key),
-            ordering_token=[], merge_op=_MERGE[op], final_op="Id", timeout_seconds=self.timeout_s,
+            ordering_token=[], merge_op=_MERGE[op], final_op="Id", timeout_seconds=op_timeout(self.timeout_s),
             max_subdivs_per_device=RING_MAX_SUBDIVS))
 
     def all_gather(self, x: tf.Tensor, group: Group) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveGatherV2(
             input=x, group_size=group.size, group_key=group.key, instance_key=self._instance_key(group.key),
-            ordering_token=[], timeout_seconds=self.timeout_s))
+            ordering_token=[], timeout_seconds=op_timeout(self.timeout_s)))
 
     def all_to_all(self, x: tf.Tensor, group: Group) -> tf.Tensor:
         rows = tf.reshape(x, [group.size, -1])  # the kernel wants one row per member
         out = self._ordered(lambda: tf.raw_ops.CollectiveAllToAllV2(
             input=rows, group_size=group.size, group_key=group.key, instance_key=self._instance_key(group.key),
-            ordering_token=[], timeout_seconds=self.timeout_s))
+            ordering_token=[], timeout_seconds=op_timeout(self.timeout_s)))
         return tf.reshape(out, tf.shape(x))
 
     def broadcast(self, x: tf.Tensor, root: int, group: Group) -> tf.Tensor:
@@ -130,9 +132,9 @@ class TFBackend(Backend):
     def _send(self, x: tf.Tensor, group_size: int, group_key: int) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveBcastSendV2(
             input=x, group_size=group_size, group_key=group_key, instance_key=self._instance_key(group_key),
-            timeout_seconds=self.timeout_s))
+            timeout_seconds=op_timeout(self.timeout_s)))
 
     def _recv(self, shape: tf.Tensor, dtype: tf.DType, group_size: int, group_key: int) -> tf.Tensor:
         return self._ordered(lambda: tf.raw_ops.CollectiveBcastRecvV2(
             group_size=group_size, group_key=group_key, instance_key=self._instance_key(group_key),
-            shape=shape, T=dtype, timeout_seconds=self.timeout_s))
+            shape=shape, T=dtype, timeout_seconds=op_timeout(self.timeout_s)))

@@ -22,6 +22,7 @@ from tfdist._compat.distribute import (
     launcher_all_reduce_sum,
     launcher_device,
 )
+from tfdist.comm.deadline import launched
 from tfdist.comm.variable_signature import mismatch_message, signature
 from tfdist.errors import ConfigError
 
@@ -70,7 +71,7 @@ class DeviceGroupAllReduce(tf_distribute.ProcessCrossDeviceOps):
         with tf.device(launcher_device(launcher)):
             local = tf.concat([tf.identity(p) for p in parts], axis=axis)
             perm = [axis] + [i for i in range(local.shape.rank) if i != axis]
-            gathered = launcher_all_gather(launcher, tf.transpose(local, perm) if axis else local)
+            gathered = launched(launcher_all_gather, launcher, tf.transpose(local, perm) if axis else local)
             if axis:
                 gathered = tf.transpose(gathered, np.argsort(perm).tolist())
         return self.broadcast(gathered, destinations)
@@ -95,8 +96,8 @@ class DeviceGroupAllReduce(tf_distribute.ProcessCrossDeviceOps):
     def all_reduce_sum(launcher, tensor: tf.Tensor) -> tf.Tensor:
         """CollectiveReduceV2 (sum) over the launcher's group; bool values travel as int32."""
         if tensor.dtype == tf.bool:
-            return tf.cast(launcher_all_reduce_sum(launcher, tf.cast(tensor, tf.int32)), tf.bool)
-        return launcher_all_reduce_sum(launcher, tensor)
+            return tf.cast(launched(launcher_all_reduce_sum, launcher, tf.cast(tensor, tf.int32)), tf.bool)
+        return launched(launcher_all_reduce_sum, launcher, tensor)
 
 
 class ProcessDevices:
@@ -124,7 +125,7 @@ class ProcessDevices:
             shape = var.shape.as_list() if var.shape.rank is not None else []
             own = signature(index, shape, var.dtype)
             with tf.device(launcher_device(self._launcher)):
-                gathered = launcher_all_gather(self._launcher, tf.constant(own[None, :])).numpy()
+                gathered = launched(launcher_all_gather, self._launcher, tf.constant(own[None, :])).numpy()
             if not (gathered == own[None, :]).all():
                 raise ConfigError(mismatch_message("ModelParallelStrategy", "process", index, var, gathered))
             if tf_distribute.is_mirrored(var):  # sync-on-read metric states start at zero everywhere already

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
+from tfdist.comm.deadline import launched
 from tfdist.errors import ConfigError
 from tfdist.zero.collectives import ShardCollectives
 
@@ -32,7 +33,8 @@ class TFShardCollectives(ShardCollectives):
     Every worker must make the same calls in the same order: reading the logical optimizer state
     (checkpoint saving) all-gathers, so every worker takes part in a save
     (tfdist.training.ModelCheckpoint, BackupAndRestore and save_model do). A collective that waits
-    longer than the strategy's `timeout_s` fails with a ConfigError instead of hanging.
+    longer than the strategy's `timeout_s` fails with a ConfigError instead of hanging (eagerly bounded by
+    `comm.deadline`).
 
     Example:
         >>> strategy = tfdist.MultiWorkerMirroredStrategy(zero_stage=2)   # under `tfdist launch -n 2`
@@ -73,7 +75,7 @@ class TFShardCollectives(ShardCollectives):
             parts = list(chunks[i])
             with tf.device(self.devices[i]):
                 # row r goes to replica r; row r of the result is what replica r sent for our shard
-                received = tf_distribute.launcher_all_to_all(self._launchers[i], tf.stack(parts))
+                received = launched(tf_distribute.launcher_all_to_all, self._launchers[i], tf.stack(parts))
                 return tf.add_n(tf.unstack(received, self.num_shards))  # sum in replica order
 
         return self._each(one, "reduce-scatter")
@@ -87,8 +89,9 @@ class TFShardCollectives(ShardCollectives):
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
                 rows = tf.reshape(flats[i], [self.num_shards, -1])  # a view: row r goes to replica r
-                sums = self.all_to_all_sums(rows, lambda cols: tf_distribute.launcher_all_to_all(self._launchers[i], cols),
-                                            self.num_shards)
+                launcher = self._launchers[i]
+                sums = self.all_to_all_sums(
+                    rows, lambda cols: launched(tf_distribute.launcher_all_to_all, launcher, cols), self.num_shards)
                 return tf.concat(sums, 0) if len(sums) > 1 else sums[0]
 
         return self._each(one, "reduce-scatter")
@@ -96,14 +99,14 @@ class TFShardCollectives(ShardCollectives):
     def all_gather(self, shards: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
-                return tf_distribute.launcher_all_gather(self._launchers[i], tf.identity(shards[i]))
+                return launched(tf_distribute.launcher_all_gather, self._launchers[i], tf.identity(shards[i]))
 
         return self._each(one, "all-gather")
 
     def all_reduce_sum(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         def one(i: int) -> tf.Tensor:
             with tf.device(self.devices[i]):
-                return tf_distribute.launcher_all_reduce_sum(self._launchers[i], tf.identity(values[i]))
+                return launched(tf_distribute.launcher_all_reduce_sum, self._launchers[i], tf.identity(values[i]))
 
         return self._each(one, "all-reduce")
 

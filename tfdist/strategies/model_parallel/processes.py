@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist._compat.distribute import launcher_all_gather
+from tfdist.comm.deadline import launched
 from tfdist.comm.launch_env import LOCAL_DEVICES_ENV, local_device_count, local_process
 from tfdist.comm.runtime import check_tf_not_started, start_server
 from tfdist.comm.tf_config import (
@@ -295,7 +296,7 @@ def row_span(strategy, rows: ProcessRows) -> RowSpan:
     launcher = strategy.extended.row_launcher
     return RowSpan(rows.span_first, rows.row_size, rows.size // rows.span_rows,
                    all_reduce=lambda t: DeviceGroupAllReduce.all_reduce_sum(launcher, t),
-                   all_gather=lambda t: launcher_all_gather(launcher, t))
+                   all_gather=lambda t: launched(launcher_all_gather, launcher, t))
 
 
 def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_name: str,
