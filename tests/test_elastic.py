@@ -96,7 +96,8 @@ def test_restarts_run_out_and_the_job_fails_with_the_last_code():
                             max_restarts=1)
     assert rc == 6
     assert sum("restarting all 2 workers (1/1)" in line for line in lines) == 1
-    assert lines[-1] == "[launch] no restart left (--max-restarts 1 used up); the job fails with code 6"
+    assert lines[-1] == ("[launch] no restart left (--max-restarts 1 used up); the job fails with code 6. "
+                         "See docs/troubleshooting.md#the-launcher-stopped-the-job.")
 
 
 def test_without_max_restarts_the_job_fails_fast_as_before():

@@ -95,6 +95,7 @@ def test_plan_devices_compares_every_layout_and_reads_the_exchanges(tmp_path, ca
     assert data["sent_per_step"] == pytest.approx(2 * (n - 1) / n * 4 * psi)
     fsdp = rows["ZeRO-3 (FSDP)"]
     assert fsdp["params"] == 4 * psi / n and fsdp["sent_per_step"] == pytest.approx(1.5 * data["sent_per_step"])
+    assert fsdp["created"] == 4 * psi  # created whole on every device before the cut
     tp = rows[f"tensor parallel, {n} ways"]
     assert tp["params"] < 4 * psi  # the up/down pair is split; the head stays whole
     # one pair: its output (batch × 16 float32) all-reduced forward; its input is the model's, whose gradient
@@ -104,6 +105,16 @@ def test_plan_devices_compares_every_layout_and_reads_the_exchanges(tmp_path, ca
     assert plan["first_fitting"] == next(c["layout"] for c in plan["candidates"] if c["fits"])
     printed = capsys.readouterr().out
     assert "tensor parallel, 2 ways" in printed and "first layout that fits" in printed
+
+
+def test_a_layout_fits_only_when_the_model_fits_while_it_is_created():
+    from tfdist.cli.plan_layouts import Candidate
+
+    fsdp = Candidate("ZeRO-3 (FSDP)", "zero_stage=3", params=1.0, gradients=1.0, optimizer_state=2.0,
+                     activations=0.0, sent_per_step=0.0, created=8.0)
+    assert fsdp.total == 4.0 and not fsdp.fits(5.0) and fsdp.fits(8.0) and fsdp.fits(None)
+    split = Candidate("tensor parallel", "ModelParallelStrategy", 1.0, 1.0, 2.0, 0.0, 0.0)  # created in pieces
+    assert split.fits(4.0) and not split.fits(3.9)
 
 
 def test_plan_model_with_a_custom_layer_names_the_option(tmp_path, capsys):

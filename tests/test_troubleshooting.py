@@ -37,7 +37,8 @@ REQUIRED_ENTRIES = {
 }
 # The entries tfdist's own messages link to (the others explain TensorFlow's, Keras' and Horovod's messages).
 LINKED_ANCHORS = {"initordererror", "a-peer-never-starts", "port-already-in-use", "a-collective-times-out",
-                  "a-worker-was-lost", "a-parameter-server-was-lost", "horovod-is-missing-or-does-not-build"}
+                  "a-worker-was-lost", "a-parameter-server-was-lost", "horovod-is-missing-or-does-not-build",
+                  "the-launcher-stopped-the-job", "a-node-does-not-join---nnodes"}
 # Exceptions about a runtime situation: every construction in tfdist/ must end with troubleshooting(...).
 LINKED_ERRORS = ("InitOrderError", "WorkerLostError", "ParameterServerLost", "CollectiveError", "BuildError")
 # Phrases the page quotes from tfdist's messages: the page and the code must keep saying the same.

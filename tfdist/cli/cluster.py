@@ -24,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ps is not None and args.ps < 0:
+        from tfdist.errors import ConfigError
+
+        raise ConfigError(f"--ps must be >= 0 (the number of parameter servers), got {args.ps}.")
     from tfdist.cluster.slurm import SlurmCluster, in_slurm_step
 
     if args.tf_config:  # no TensorFlow import: this runs before every worker starts

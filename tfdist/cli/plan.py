@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
 from tfdist.cli.plan_model_file import (
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                               "the layers, not only on --params.")
     elif args.layout:
         raise ConfigError("--layout is used with --tensor-parallel T; add --tensor-parallel.")
-    if args.device_memory is not None and args.device_memory <= 0:
+    if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
         raise ConfigError(f"--device-memory must be > 0 GB, got {args.device_memory:g}.")
     if args.custom_objects and not args.model:
         raise ConfigError("--custom-objects is used with --model.")

@@ -30,10 +30,15 @@ class Candidate:
     activations: float
     sent_per_step: float
     note: str = ""
+    created: float | None = None  # bytes while the model is created, before any cut (None: `params`)
 
     @property
     def total(self) -> float:
         return self.params + self.gradients + self.optimizer_state + self.activations
+
+    def fits(self, limit: float | None) -> bool:
+        """Whether a device of `limit` bytes holds it in training and while the model is created."""
+        return limit is None or max(self.total, self.params if self.created is None else self.created) <= limit
 
 
 def _ring(n: int) -> float:
@@ -61,7 +66,8 @@ def data_parallel_candidates(num_params: int, n: int, state_bytes: float, act_pe
                      "created whole before it is cut")):
         rows.append(Candidate(f"ZeRO-{stage}" + (" (FSDP)" if stage == 3 else ""), f"zero_stage={stage}",
                               **_bytes(zero_formula(num_params, n, stage, state_bytes=state_bytes)),
-                              activations=act, sent_per_step=factor * _ring(n) * grads, note=note))
+                              activations=act, sent_per_step=factor * _ring(n) * grads, note=note,
+                              created=FLOAT * num_params))
     return rows
 
 
@@ -203,14 +209,15 @@ def run_layouts(args: argparse.Namespace, optimizer_config: dict | None) -> int:
     print(head)
     print("-" * len(head))
     for row in rows:
-        mark = "" if limit is None else ("  fits" if row.total <= limit else "  too big")
+        mark = "" if limit is None else ("  fits" if row.fits(limit) else "  too big at start-up"
+                                         if row.total <= limit else "  too big")
         print(f"{row.layout[:30]:30s}{mb(row.params)}{mb(row.gradients)}{mb(row.optimizer_state)}"
               f"{mb(row.activations)}{mb(row.total)}{mb(row.sent_per_step)}{mark}")
     print("* activations: an estimate (the layers' outputs per sample x the samples a device holds); the framework's "
           "own memory comes on top.")
     for row in rows:
         print(f"  {row.layout}: {row.strategy}" + (f" -- {row.note}" if row.note else ""))
-    fitting = [row for row in rows if limit is None or row.total <= limit]
+    fitting = [row for row in rows if row.fits(limit)]
     if limit is not None:
         if fitting:
             # the first that fits, in the order of the table: the simplest strategy, then the least traffic
@@ -223,6 +230,6 @@ def run_layouts(args: argparse.Namespace, optimizer_config: dict | None) -> int:
             json.dump({"model": args.model, "devices": args.devices, "batch_size": args.batch_size,
                        "num_params": num_params, "optimizer": opt_name, "device_memory_gb": args.device_memory,
                        "candidates": [{**asdict(r), "total": r.total,
-                                       "fits": limit is None or r.total <= limit} for r in rows],
+                                       "fits": r.fits(limit)} for r in rows],
                        "first_fitting": fitting[0].layout if (fitting and limit is not None) else None}, f, indent=2)
     return 0 if (limit is None or fitting) else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import time
 
@@ -53,6 +54,15 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be >= 1, got {args.epochs}.")
+    if args.replicas is not None and args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1 (or left out: every local GPU, or one CPU), got {args.replicas}.")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.replicas and args.batch_size % args.replicas:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split evenly over --replicas {args.replicas}: "
+                          f"give a multiple of {args.replicas} (the global batch is split across replicas).")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ConfigError(f"--learning-rate must be a positive number, got {args.learning_rate}.")
     if args.zero_stage and args.strategy not in ZERO_STRATEGIES:
         raise ConfigError(f"--zero-stage {args.zero_stage} is supported by --strategy {' or '.join(ZERO_STRATEGIES)}"
                           f", not {args.strategy!r}. Use one of those, or --zero-stage 0.")

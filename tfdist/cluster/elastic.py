@@ -29,6 +29,7 @@ from tfdist.cluster.processes import (
     is_stopped,
     stop_processes,
 )
+from tfdist.errors import troubleshooting
 
 __all__ = ["MAX_RESTARTS_ENV", "RESTART_COUNT_ENV", "TIMEOUT_CODE", "run_with_restarts", "supervise_round"]
 
@@ -80,7 +81,8 @@ def run_with_restarts(
         if timed_out or code == 0 or max_restarts == 0:
             return code
         if restart == max_restarts:
-            say(f"[launch] no restart left (--max-restarts {max_restarts} used up); the job fails with code {code}")
+            say(f"[launch] no restart left (--max-restarts {max_restarts} used up); the job fails with code {code}."
+                + troubleshooting("the-launcher-stopped-the-job"))
             return code
         if deadline is not None and time.monotonic() > deadline:
             say(f"[launch] job exceeded its timeout of {timeout_s:g} s; not restarting")

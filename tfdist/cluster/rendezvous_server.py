@@ -30,7 +30,7 @@ from tfdist.cluster.rendezvous import (
     resolve_address,
     seconds_text,
 )
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 
 __all__ = ["RendezvousServer"]
 
@@ -206,7 +206,8 @@ class RendezvousServer:
                 f"node(s) {local} advertise the loopback address {nodes[local[0]].host} for their workers and node(s) "
                 f"{routable} the routable {nodes[routable[0]].host}: no other machine can reach a loopback address. "
                 f"Give every node a routable --master, an address of node 0 that every machine reaches{example}, "
-                "not 127.0.0.1, localhost or ::1 (a tunnel to the master does not carry the workers' connections).")
+                "not 127.0.0.1, localhost or ::1 (a tunnel to the master does not carry the workers' connections)."
+                + troubleshooting("a-node-does-not-join---nnodes"))
 
     def _complete(self, r: int) -> bool:
         """Whether every node of round `r` has come; ConfigError when the round has failed or node 0's launcher is
@@ -220,13 +221,15 @@ class RendezvousServer:
         if self._closing:
             raise ConfigError(f"the rendezvous at {self.address} closed before node rank(s) "
                               f"{sorted(set(range(self.nnodes)) - set(self._rounds[r]))} came: node 0's launcher "
-                              "ended (its job finished or failed; its output says which).")
+                              "ended (its job finished or failed; its output says which)."
+                              + troubleshooting("a-node-does-not-join---nnodes"))
 
     def _missing(self, r: int, rank: int, waited_s: float, bound: str) -> str:
         missing = sorted(set(range(self.nnodes)) - set(self._rounds[r]) - {rank})
         return (f"node rank(s) {missing} did not join the rendezvous at {self.address} within "
                 f"{seconds_text(waited_s)} s {ran_out_note(bound)}: start `tfdist launch --nnodes {self.nnodes} "
-                f"--node-rank R --master {self.address}` on every node.{loopback_note(self._host)}")
+                f"--node-rank R --master {self.address}` on every node.{loopback_note(self._host)}"
+                + troubleshooting("a-node-does-not-join---nnodes"))
 
 
 class _Handler(socketserver.StreamRequestHandler):
