@@ -13,8 +13,8 @@ Two settings of TF's own collective ops, applied by the launcher (the object MWM
 
 In pieces, a pack of tensors (TF packs a step's gradients, and the uneven-data flags that ride along, into one
 all-reduce) is cut at the piece boundaries as it stands instead of being concatenated first: the concat is a
-copy of the whole pack into a fresh buffer that no piece could start before (about 25 ms for 64 MB here), and a
-piece inside one tensor is a view of it. The results are cut back into the pack's tensors the same way.
+copy of the whole pack into a fresh buffer that no piece could start before, and a piece inside one tensor is a
+view of it. The results are cut back into the pack's tensors the same way.
 """
 
 from __future__ import annotations

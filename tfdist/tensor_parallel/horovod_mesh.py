@@ -67,8 +67,8 @@ def _exit_together(hvd) -> None:
     """Makes this process wait, when the interpreter exits normally, until every rank gets there (once per
     process). Horovod's shutdown is global: a rank that exits (atexit: `hvd.shutdown`) while the processes of
     another process set are still in a collective (a save's gathers in their row) ends that collective with
-    "Horovod has been shut down" / "Process set provided does not exist" (measured: 4 ranks, two rows of two, the
-    chief's save). An exit after an uncaught exception skips the wait: the launcher stops the others."""
+    "Horovod has been shut down" / "Process set provided does not exist" (seen with 4 ranks in two rows of two,
+    at the chief's save). An exit after an uncaught exception skips the wait: the launcher stops the others."""
     if _EXIT_BARRIER:
         return
     import atexit

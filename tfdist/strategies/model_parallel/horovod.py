@@ -2,7 +2,7 @@
 
 The mesh is the same as with TF collectives (`tfdist.cluster.list_devices()` names process r's devices
 '/job:worker/replica:0/task:r/device:CPU:I', r = Horovod rank) and is checked by the same rules
-(`model_parallel_procs.process_rows`). What changes is who moves the bytes:
+(`processes.process_rows`). What changes is who moves the bytes:
 
 - the batch axis across processes (each process holds whole rows): gradients, metrics and `strategy.reduce` are
   summed over the local rows, then by one grouped `hvd.allreduce` per device (`HorovodMeshAllReduce`);
