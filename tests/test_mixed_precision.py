@@ -147,9 +147,9 @@ def test_grad_dtype_on_a_mesh_sums_each_shards_gradient_in_that_dtype_at_every_s
     # a mesh across processes: refused before anything starts (the job's TF_CONFIG is all it reads)
     job = {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(job))
-    spread = tfdist.DeviceMesh((2, 2), ("batch", "model"), [f"/job:worker/replica:0/task:{t}/device:CPU:{d}"
-                                                             for t in (0, 1) for d in (0, 1)])
-    with pytest.raises(ConfigError, match=r"^grad_dtype=bfloat16: ModelParallelStrategy .* within one process only"):
+    spread = tfdist.DeviceMesh((1, 4), ("batch", "model"), [f"/job:worker/replica:0/task:{t}/device:CPU:{d}"
+                                                             for t in (0, 1) for d in (0, 1)])  # a row spans both
+    with pytest.raises(ConfigError, match=r"^grad_dtype=bfloat16: .* puts the model axis across processes"):
         tfdist.ModelParallelStrategy(tfdist.LayoutMap(spread), grad_dtype="bfloat16")
 
 
@@ -192,7 +192,9 @@ def test_grad_dtype_under_mixed_bfloat16_equals_one_device_and_bad_values_are_co
 def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
     """2 processes, one device each: Horovod at stages 0, 2 and 3 (its all-reduce and all-to-all have no bfloat16
     kernel: the bits travel as another 2-byte type and are summed after), and MultiWorkerMirroredStrategy at
-    stage 2 (TF's all-to-all reduce-scatter). Each rank's kernel is the hand-computed one of the wire dtype."""
+    stage 2 (TF's all-to-all reduce-scatter); 2 processes of two devices: ModelParallelStrategy on a 2 x 2 mesh
+    with a row per process at stages 0, 1 and 3 (each shard's gradient cast on its device, summed across the
+    processes by TF's collective on that device). Each rank's kernel is the hand-computed one of the wire dtype."""
     import io
     import json
     import os
@@ -204,12 +206,13 @@ def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
 
     job = os.path.join(os.path.dirname(__file__), "grad_dtype_job.py")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    runs = {"horovod": ["0:bfloat16", "2:bfloat16", "3:float16"], "tf": ["2:bfloat16"]}
+    runs = {"horovod": ["0:bfloat16", "2:bfloat16", "3:float16"], "tf": ["2:bfloat16"],
+            "mesh": ["0:bfloat16", "0:float16", "1:bfloat16", "3:bfloat16"]}  # a 2 x 2 mesh, a row per process
     for backend, tags in runs.items():
         out, log = tmp_path / backend, io.StringIO()
         out.mkdir()
-        rc = launch([sys.executable, job, str(out), backend, *tags], 2, backend=backend, env=env, out=log,
-                    timeout_s=240)
+        rc = launch([sys.executable, job, str(out), backend, *tags], 2, backend="horovod" if backend == "horovod"
+                    else "tf", devices_per_worker=2 if backend == "mesh" else 1, env=env, out=log, timeout_s=240)
         assert rc == 0, log.getvalue()[-3000:]
         for rank in (0, 1):
             record = json.loads((out / f"rank{rank}.json").read_text())

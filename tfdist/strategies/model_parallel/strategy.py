@@ -77,7 +77,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod".
         grad_dtype: the dtype gradients are summed in over the batch axis, each cast before the sum and back after
             (`"bfloat16"` under a `mixed_bfloat16` policy halves the bytes; None: their own dtype), at every
-            `zero_stage`, as in `tfdist.MirroredStrategy`. A mesh in one process only, for now.
+            `zero_stage`, as in `tfdist.MirroredStrategy`. In one process, or across processes over TF collectives
+            with whole rows per process.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -131,16 +132,20 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         tf_backend = self.backend == "tf"
         rows = process_rows(self._grid) if tf_backend else horovod_rows(self._grid, self.timeout_s)
         self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.training.save_model
-        if rows is not None and self.grad_dtype is not None:
-            raise ConfigError(f"grad_dtype={self.grad_dtype.name}: ModelParallelStrategy sums gradients in another "
-                              "dtype on a mesh within one process only, for now; this mesh spans processes. Leave "
-                              "grad_dtype=None here, or use tfdist.MultiWorkerMirroredStrategy / HorovodStrategy "
-                              "(grad_dtype= across processes) if the model fits one device.")
-        if rows is not None:  # the batch axis across processes: this process runs its own rows (model_parallel_procs)
+        if rows is not None and self.grad_dtype is not None and (not tf_backend or rows.span_first is not None):
+            raise ConfigError(
+                f"grad_dtype={self.grad_dtype.name}: ModelParallelStrategy sums gradients in another dtype within one "
+                "process and across processes over TF collectives with whole rows per process; this mesh "
+                + ("runs over Horovod (backend='tf' does it)." if not tf_backend else
+                   "puts the model axis across processes (keep each row inside one process).")
+                + " Or leave grad_dtype=None.")
+        if rows is not None:  # the batch axis across processes: this process runs its own rows (processes.py)
             check_process_options(rows, self.zero_stage, self._groups, stage_dim_name, self.backend)
             make_extended, self._server = (start_processes if tf_backend else start_horovod)(self, rows, self.timeout_s)
             self.rank, self.size, self._first_row, self._grid = rows.rank, rows.size, rows.first_row, rows.local_grid
-            tf_distribute.init_strategy(self, make_extended)
+            tf_distribute.init_strategy(self, lambda: sum_gradients_in(
+                make_extended(), None if self.zero_stage else self.grad_dtype,
+                "under ModelParallelStrategy at zero_stage 0"))
             if self.saves_collectively:  # the model axis across processes: this process's part of its row
                 span = row_span(self, rows) if tf_backend else horovod_row_span(rows, self._server)
                 self._grid = [RowDevices(rows.local_grid[0], span)]
@@ -318,7 +323,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
             self._logical_saving.add(optimizer)
 
     def _zero_collectives(self) -> dict:
-        """The GroupedZeroEngine's host device and collectives (`model_parallel_procs.zero_collectives`; over Horovod
+        """The GroupedZeroEngine's host device and collectives (`processes.zero_collectives`; over Horovod
         ranks `model_parallel_horovod.horovod_zero_collectives`)."""
         if self.backend == "horovod" and self.size > 1:
             return horovod_zero_collectives(self)
