@@ -2,7 +2,8 @@
 gradients summed in `grad_dtype`, across processes. Usage (under `tfdist launch -n 2`, one device per worker):
 python grad_dtype_job.py OUT BACKEND STAGE:GRAD_DTYPE [STAGE:GRAD_DTYPE ...] with BACKEND `horovod` (one
 HorovodStrategy per run, in one process), `tf` (one MultiWorkerMirroredStrategy: one run) or `mesh` (a
-ModelParallelStrategy per run over a 2 x 2 mesh with a row per process: `--devices-per-worker 2`). Writes
+ModelParallelStrategy per run over a 2 x 2 mesh with a row per process: `--devices-per-worker 2`; `mesh-horovod`
+the same over Horovod). Writes
 OUT/rank{r}.json: per run, the kernel after the step."""
 
 import json
@@ -22,7 +23,8 @@ def mesh_strategy(**options) -> tfdist.ModelParallelStrategy:
     return tfdist.ModelParallelStrategy(layout_map, **options)
 
 
-make = {"horovod": tfdist.HorovodStrategy, "tf": tfdist.MultiWorkerMirroredStrategy, "mesh": mesh_strategy}[backend]
+make = {"horovod": tfdist.HorovodStrategy, "tf": tfdist.MultiWorkerMirroredStrategy, "mesh": mesh_strategy,
+        "mesh-horovod": lambda **options: mesh_strategy(backend="horovod", **options)}[backend]
 strategies = [make(zero_stage=int(stage), grad_dtype=grad_dtype) for stage, grad_dtype in runs]
 from test_mixed_precision import dyadic_step  # noqa: E402  (imports keras: after the strategies)
 

@@ -194,7 +194,8 @@ def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
     kernel: the bits travel as another 2-byte type and are summed after), and MultiWorkerMirroredStrategy at
     stage 2 (TF's all-to-all reduce-scatter); 2 processes of two devices: ModelParallelStrategy on a 2 x 2 mesh
     with a row per process at stages 0, 1 and 3 (each shard's gradient cast on its device, summed across the
-    processes by TF's collective on that device). Each rank's kernel is the hand-computed one of the wire dtype."""
+    processes by TF's collective on that device) and over Horovod at stages 0 and 2 (bfloat16 all-gathered as its
+    bits, summed after). Each rank's kernel is the hand-computed one of the wire dtype."""
     import io
     import json
     import os
@@ -207,12 +208,13 @@ def test_grad_dtype_across_processes_over_horovod_and_tf_collectives(tmp_path):
     job = os.path.join(os.path.dirname(__file__), "grad_dtype_job.py")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     runs = {"horovod": ["0:bfloat16", "2:bfloat16", "3:float16"], "tf": ["2:bfloat16"],
-            "mesh": ["0:bfloat16", "0:float16", "1:bfloat16", "3:bfloat16"]}  # a 2 x 2 mesh, a row per process
+            "mesh": ["0:bfloat16", "0:float16", "1:bfloat16", "3:bfloat16"],  # a 2 x 2 mesh, a row per process
+            "mesh-horovod": ["0:bfloat16", "0:float16", "2:bfloat16"]}
     for backend, tags in runs.items():
         out, log = tmp_path / backend, io.StringIO()
         out.mkdir()
-        rc = launch([sys.executable, job, str(out), backend, *tags], 2, backend="horovod" if backend == "horovod"
-                    else "tf", devices_per_worker=2 if backend == "mesh" else 1, env=env, out=log, timeout_s=240)
+        rc = launch([sys.executable, job, str(out), backend, *tags], 2, backend="horovod" if "horovod" in backend
+                    else "tf", devices_per_worker=2 if "mesh" in backend else 1, env=env, out=log, timeout_s=240)
         assert rc == 0, log.getvalue()[-3000:]
         for rank in (0, 1):
             record = json.loads((out / f"rank{rank}.json").read_text())

@@ -19,6 +19,7 @@ otherwise constant-fold a collective whose input is known at trace time, on one 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import weakref
@@ -30,6 +31,8 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist._compat.distribute import devices_of, local_values
 from tfdist.comm._horovod_sets import registered_process_set
 from tfdist.comm.horovod import init_horovod
+from tfdist.comm.horovod_backend import HorovodBackend
+from tfdist.comm.wire import carry
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodMeshAllReduce", "HorovodRow", "init_mesh_horovod", "process_set"]
@@ -173,14 +176,25 @@ class HorovodMeshAllReduce(tf_distribute.ProcessCrossDeviceOps):
         return out
 
     def _sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-        """One grouped Horovod sum of `tensors` (bools travel as int32; Horovod has no bool all-reduce)."""
+        """One grouped Horovod sum of `tensors` (bools travel as int32; Horovod has no bool all-reduce). Horovod has
+        no bfloat16 kernels either: bfloat16 values (grad_dtype) are all-gathered as their bits and summed here, in
+        rank order, in bfloat16."""
         if self.num_processes == 1:
             return tensors
-        wire = [tf.cast(t, tf.int32) if t.dtype == tf.bool else t for t in tensors]
         hvd = self._hvd
+        summed = [i for i, t in enumerate(tensors) if t.dtype != tf.bfloat16]
+        wire = [tf.cast(tensors[i], tf.int32) if tensors[i].dtype == tf.bool else tensors[i] for i in summed]
         reduced = hvd.grouped_allreduce([_live(t) for t in wire], op=hvd.Sum, name=self._names("allreduce"),
-                                        ignore_name_scope=True, process_set=self._set)
-        return [tf.cast(r, tf.bool) if t.dtype == tf.bool else r for r, t in zip(reduced, tensors)]
+                                        ignore_name_scope=True, process_set=self._set) if wire else []
+        out: list = list(tensors)
+        for i, r in zip(summed, reduced):
+            out[i] = tf.cast(r, tf.bool) if tensors[i].dtype == tf.bool else r
+        for i, t in enumerate(tensors):
+            if t.dtype == tf.bfloat16:
+                each = carry(t[None], HorovodBackend.move_dtypes, lambda w: hvd.allgather(
+                    _live(w), name=self._names("allgather"), ignore_name_scope=True, process_set=self._set))
+                out[i] = functools.reduce(tf.add, tf.unstack(each, self.num_processes))
+        return out
 
 
 class HorovodRow:

@@ -77,8 +77,8 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         backend: across processes, who moves the bytes: "auto" (default), "tf" or "horovod".
         grad_dtype: the dtype gradients are summed in over the batch axis, each cast before the sum and back after
             (`"bfloat16"` under a `mixed_bfloat16` policy halves the bytes; None: their own dtype), at every
-            `zero_stage`, as in `tfdist.MirroredStrategy`. In one process, or across processes over TF collectives
-            with whole rows per process.
+            `zero_stage`, as in `tfdist.MirroredStrategy`. In one process, or across processes with whole rows
+            per process.
 
     Example:
         >>> import keras, numpy as np, tfdist
@@ -132,13 +132,11 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
         tf_backend = self.backend == "tf"
         rows = process_rows(self._grid) if tf_backend else horovod_rows(self._grid, self.timeout_s)
         self.saves_collectively = rows is not None and rows.span_first is not None  # see tfdist.training.save_model
-        if rows is not None and self.grad_dtype is not None and (not tf_backend or rows.span_first is not None):
+        if rows is not None and self.grad_dtype is not None and rows.span_first is not None:
             raise ConfigError(
                 f"grad_dtype={self.grad_dtype.name}: ModelParallelStrategy sums gradients in another dtype within one "
-                "process and across processes over TF collectives with whole rows per process; this mesh "
-                + ("runs over Horovod (backend='tf' does it)." if not tf_backend else
-                   "puts the model axis across processes (keep each row inside one process).")
-                + " Or leave grad_dtype=None.")
+                "process and across processes with whole rows per process; this mesh puts the model axis across "
+                "processes. Keep each row inside one process, or leave grad_dtype=None.")
         if rows is not None:  # the batch axis across processes: this process runs its own rows (processes.py)
             check_process_options(rows, self.zero_stage, self._groups, stage_dim_name, self.backend)
             make_extended, self._server = (start_processes if tf_backend else start_horovod)(self, rows, self.timeout_s)
