@@ -15,7 +15,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.errors import ConfigError
-from tfdist.pipeline import block_partition, describe_model, make_plan
+from tfdist.pipeline import describe_model, make_plan
+from tfdist.pipeline.balance import block_partition
 
 # --- models ---------------------------------------------------------------------------------
 

@@ -26,11 +26,10 @@ _LAZY = {
     "Group": "tfdist.comm.process_group",
     "CollectiveError": "tfdist.comm.process_group",
     "WorkerLostError": "tfdist.comm.faults",
-    "REDUCE_OPS": "tfdist.comm.reduction",
     "cross_device_ops_from": "tfdist.comm.tf_collectives",
 }
 
-__all__ = ["REDUCE_OPS", "CollectiveError", "Group", "WorkerLostError", "all_gather", "all_reduce", "all_to_all", "barrier",
+__all__ = ["CollectiveError", "Group", "WorkerLostError", "all_gather", "all_reduce", "all_to_all", "barrier",
            "broadcast", "cross_device_ops_from", "gather", "get_backend", "init", "is_initialized", "local_rank",
            "local_size", "new_group", "rank", "recv", "reduce", "reduce_scatter", "scatter", "send", "size"]
 

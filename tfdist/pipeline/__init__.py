@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tfdist.pipeline.balance import block_partition, measure_layer_times
-from tfdist.pipeline.plan import LayerInfo, StagePlan, describe_model, make_plan
+from tfdist.pipeline.plan import StagePlan, describe_model, make_plan
 
-__all__ = ["LayerInfo", "StagePlan", "block_partition", "describe_model", "executed_devices", "layer_graph",
-           "make_plan", "measure_layer_times"]
+__all__ = ["StagePlan", "describe_model", "executed_devices", "layer_graph", "make_plan"]
 
 
 def layer_graph(model) -> list[tuple]:

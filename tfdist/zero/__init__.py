@@ -7,8 +7,7 @@ Users turn it on with `zero_stage=` on a strategy; what they call here:
   the formula says;
 - `gathered_state(optimizer)`: a context in which the sharded optimizer state reads as whole variables;
 - `configure_stage3(strategy, unit_bytes=..., ...)`: how stage 3 groups layers into units, before the first `fit`;
-- `register_elementwise(optimizer_class)`: declare a custom optimizer element-wise, so it can be sharded;
-- `SUPPORTED_STAGES`.
+- `register_elementwise(optimizer_class)`: declare a custom optimizer element-wise, so it can be sharded.
 
 Example:
     >>> strategy = tfdist.MirroredStrategy(zero_stage=2)
@@ -33,7 +32,6 @@ _LAZY = {
     "MemoryReport": "tfdist.zero.memory",
     "zero_formula": "tfdist.zero.memory",
     "register_elementwise": "tfdist.zero.config",
-    "SUPPORTED_STAGES": "tfdist.zero.config",
 }
 
 __all__ = sorted(_LAZY)
