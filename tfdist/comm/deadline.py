@@ -3,7 +3,7 @@
 A collective whose peer does not take part must fail after `timeout_s`, not hang. TensorFlow's own bound, an op's
 `timeout_seconds`, can kill the process instead of raising when it fires while the peer is alive (TF 2.21: the op
 completes at once, and its cancelled receive later touches the op's freed cancellation manager; see
-docs/design.md, "Collective timeouts"). So an eager collective is created without TF's timeout (`op_timeout`) and
+docs/design.md, "Multi-worker"). So an eager collective is created without TF's timeout (`op_timeout`) and
 run under `bounded`, whose timer aborts this process's collectives: the same DeadlineExceededError, raised after
 the pending receive has let go. Inside a tf.function there is no Python around each op, so traced ops keep TF's
 own `timeout_seconds`.

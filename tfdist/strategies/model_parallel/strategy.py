@@ -322,7 +322,7 @@ class ModelParallelStrategy(ReusedInputIterators, tf.distribute.MirroredStrategy
 
     def _zero_collectives(self) -> dict:
         """The GroupedZeroEngine's host device and collectives (`processes.zero_collectives`; over Horovod
-        ranks `model_parallel_horovod.horovod_zero_collectives`)."""
+        ranks `horovod.horovod_zero_collectives`)."""
         if self.backend == "horovod" and self.size > 1:
             return horovod_zero_collectives(self)
         return zero_collectives(self, self._grid, self._first_row, self.__dict__.setdefault("_column_launchers", {}))
