@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist.comm.deadline import launched
-from tfdist.errors import ConfigError
+from tfdist.errors import ConfigError, troubleshooting
 from tfdist.zero.collectives import ShardCollectives
 
 __all__ = ["TFShardCollectives"]
@@ -60,7 +60,7 @@ class TFShardCollectives(ShardCollectives):
 
     @classmethod
     def over_launchers(cls, launchers: Sequence, shard_ids: Sequence[int], num_shards: int,
-                       timeout_s: float | None = None) -> "TFShardCollectives":
+                       timeout_s: float | None = None) -> TFShardCollectives:
         """The same collectives over given launchers, one per local shard owner (e.g. ModelParallelStrategy's
         per-device-position groups across processes: one owner per process, shard = process rank).
 
@@ -128,4 +128,5 @@ class TFShardCollectives(ShardCollectives):
                 "take part. With optimizer state sharded across processes every worker must run the same "
                 "steps and take part in every save (reading the full optimizer state gathers the shards): "
                 "use tfdist.training.ModelCheckpoint / BackupAndRestore / save_model, or call model.save on "
-                "every worker (the non-chief ones to a temporary path).") from err
+                "every worker (the non-chief ones to a temporary path)."
+                + troubleshooting("a-collective-times-out")) from err
