@@ -20,8 +20,8 @@ def tfdist_cmd(*args: str, cwd=None, timeout: float = 600) -> subprocess.Complet
     (["train", "--strategy", "bogus"], "argument --strategy: invalid choice: 'bogus'"),
     (["train", "--dataset", "cifar10"], "argument --dataset: invalid choice: 'cifar10'"),
     (["train", "--epochs", "0"], "--epochs must be >= 1"),
-    (["train", "--replicas", "3", "--batch-size", "64"], "global_batch_size=64 does not divide by the 3 replicas"),
-    (["train", "--replicas", "0"], "replicas must be a whole number >= 1, got 0"),
+    (["train", "--replicas", "3", "--batch-size", "64"], "--batch-size 64 does not split evenly over --replicas 3"),
+    (["train", "--replicas", "0"], "--replicas must be >= 1 (or left out: every local GPU, or one CPU), got 0."),
     (["train", "--save", "model.h5"], "--save must name a .keras file"),
 ])
 def test_bad_input_exits_2_with_a_named_parameter(args, message):
