@@ -10,6 +10,7 @@ A TF or Keras upgrade should only have to revisit the modules listed here. The s
 - `keras_model`: Keras model and variable internals (layer graph, initial epoch, the model a step
   belongs to, the backend variable behind a Keras variable);
 - `captured_inputs`: tensors a `tf.custom_gradient` block reads by closure;
+- `autograph`: AutoGraph's conversion rules, which exempt tfdist's own code as they exempt Keras';
 - `tf_runtime`: the TF runtime (eager context, coordination service, call-time values in tf.function,
   run metadata, profiler protos, checkpoint tracking, graph ops, tf.data internals, per-thread
   strategy stacks, whether oneDNN is on).
@@ -64,3 +65,8 @@ if int(keras.__version__.split(".")[0]) != TESTED_KERAS_MAJOR:
         f"tfdist needs Keras 3 (the default tf.keras of TF 2.16+); found keras {keras.__version__}. "
         "Install it with: pip install 'keras>=3.15'"
     )
+
+# tfdist's own code is never rewritten by AutoGraph (autograph.py says why): set once, before any trace.
+from tfdist._compat.autograph import exempt_tfdist  # noqa: E402
+
+exempt_tfdist()
