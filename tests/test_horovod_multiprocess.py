@@ -126,19 +126,21 @@ def test_gradient_accumulation_reduces_on_update_steps_only(reference, gloo):
     assert max_diff(weights[0], reference["accum"][1][0]) <= 1e-5
 
 
-def test_fp16_compression_trains_to_the_same_accuracy_band(tmp_path):
-    # One launch: the CNN with float32 gradients on the wire, then with float16 (a HorovodStrategy each).
-    codes, out = launch("gloo_backend", worker("cnn,cnn-fp16", str(tmp_path), "--dataset", "digits", "--epochs", "4",
-                                               "--batch", "64"))
+def test_fp16_and_bf16_compression_train_to_the_same_accuracy_band(tmp_path):
+    # One launch: the CNN with float32 gradients on the wire, then with float16, then with bfloat16 (a
+    # HorovodStrategy each; bfloat16 travels as an all-gather of its bits: Horovod has no bfloat16 all-reduce).
+    codes, out = launch("gloo_backend", worker("cnn,cnn-fp16,cnn-bf16", str(tmp_path), "--dataset", "digits",
+                                               "--epochs", "4", "--batch", "64"))
     assert codes == [0, 0], out[-3000:]
     accuracy = {}
-    for compression, scenario in (("none", "cnn"), ("fp16", "cnn-fp16")):
+    for compression, scenario in (("none", "cnn"), ("fp16", "cnn-fp16"), ("bf16", "cnn-bf16")):
         records, weights = results(tmp_path / scenario)
         assert max_diff(weights[0], weights[1]) == 0.0
-        assert records[0]["compression"] == (None if compression == "none" else "fp16")
+        assert records[0]["compression"] == (None if compression == "none" else compression)
         accuracy[compression] = records[0]["evaluate"][1]
     assert accuracy["none"] >= 0.8, accuracy
     assert abs(accuracy["fp16"] - accuracy["none"]) <= 0.03, accuracy
+    assert abs(accuracy["bf16"] - accuracy["none"]) <= 0.03, accuracy
 
 
 def test_a_dying_rank_makes_the_others_exit_nonzero_within_60s(tmp_path):

@@ -19,7 +19,6 @@ otherwise constant-fold a collective whose input is known at trace time, on one 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import weakref
@@ -31,8 +30,7 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist._compat.distribute import devices_of, local_values
 from tfdist.comm._horovod_sets import registered_process_set
 from tfdist.comm.horovod import init_horovod
-from tfdist.comm.horovod_backend import HorovodBackend
-from tfdist.comm.wire import carry
+from tfdist.comm.wire import sum_bf16_by_gather
 from tfdist.errors import ConfigError
 
 __all__ = ["HorovodMeshAllReduce", "HorovodRow", "init_mesh_horovod", "process_set"]
@@ -178,7 +176,7 @@ class HorovodMeshAllReduce(tf_distribute.ProcessCrossDeviceOps):
     def _sum(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
         """One grouped Horovod sum of `tensors` (bools travel as int32; Horovod has no bool all-reduce). Horovod has
         no bfloat16 kernels either: bfloat16 values (grad_dtype) are all-gathered as their bits and summed here, in
-        rank order, in bfloat16."""
+        rank order, in bfloat16 (`comm.wire.sum_bf16_by_gather`)."""
         if self.num_processes == 1:
             return tensors
         hvd = self._hvd
@@ -189,11 +187,13 @@ class HorovodMeshAllReduce(tf_distribute.ProcessCrossDeviceOps):
         out: list = list(tensors)
         for i, r in zip(summed, reduced):
             out[i] = tf.cast(r, tf.bool) if tensors[i].dtype == tf.bool else r
-        for i, t in enumerate(tensors):
-            if t.dtype == tf.bfloat16:
-                each = carry(t[None], HorovodBackend.move_dtypes, lambda w: hvd.allgather(
-                    _live(w), name=self._names("allgather"), ignore_name_scope=True, process_set=self._set))
-                out[i] = functools.reduce(tf.add, tf.unstack(each, self.num_processes))
+        halves = [i for i, t in enumerate(tensors) if t.dtype == tf.bfloat16]
+        if halves:
+            gather = lambda w: hvd.allgather(_live(w), name=self._names("allgather"),  # noqa: E731
+                                             ignore_name_scope=True, process_set=self._set)
+            for i, r in zip(halves, sum_bf16_by_gather(gather, [tensors[i] for i in halves], self.num_processes,
+                                                       accumulate=tf.bfloat16)):
+                out[i] = r
         return out
 
 
