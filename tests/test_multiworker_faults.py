@@ -231,6 +231,22 @@ def test_a_peer_that_never_starts_gives_a_clear_error(tmp_path):
         assert f"/job:worker/replica:0/task:{peer} at {addresses[peer]}" in err, err
 
 
+def test_a_strategy_over_another_job_than_the_one_joined_is_refused(monkeypatch):
+    # Further strategies over the job a process joined are allowed (tests/test_zero_multiworker.py runs three per
+    # launch); another cluster cannot be: TensorFlow starts one server per process.
+    import tfdist
+    from tfdist.comm import runtime
+    from tfdist.comm.tf_config import ClusterConfig
+
+    joined = ClusterConfig({"worker": ["localhost:1111", "localhost:2222"]}, "worker", 0)
+    monkeypatch.setattr(runtime, "_joined", [joined])
+    other = ClusterConfig({"worker": ["localhost:1111", "localhost:3333"]}, "worker", 0)
+    for config, named in ((other, "over a job of 2 workers as worker 0"), (None, "over a single local worker")):
+        with pytest.raises(tfdist.InitOrderError, match=f"{named}, but this process already joined a job of 2 "
+                                                        "workers as worker 0"):
+            runtime.join_tf_job(config, lambda: pytest.fail("started"), timeout_s=5, who="the strategy")
+
+
 def test_strategy_after_tensorflow_started_is_an_init_order_error(python):
     proc = python("""
         import tensorflow as tf, tfdist

@@ -20,6 +20,8 @@ Example (on every process of a 2-worker TF_CONFIG):
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,6 +38,8 @@ __all__ = ["DEFAULT_HEARTBEAT_S", "check_tf_not_started", "join_tf_job", "start_
 
 DEFAULT_HEARTBEAT_S = 20.0
 T = TypeVar("T")
+# The job this process joined (at most one: TensorFlow configures collectives and starts its server once).
+_joined: list[ClusterConfig | None] = []
 
 
 def check_tf_not_started(who: str, fix: str = "Call it first thing in the script.") -> None:
@@ -53,11 +57,26 @@ def join_tf_job(config: ClusterConfig | None, start: Callable[[], T], *, timeout
     """Joins this process to the TF job `config` (None: a single local worker, nothing to join) and returns
     `start()`, which creates the gRPC server and collectives (a strategy's own extended class, or a bare server).
 
-    Every process of the job calls it, first thing; `who` and `fix` name the caller in the InitOrderError.
+    Every process of the job calls it, first thing; `who` and `fix` name the caller in the InitOrderError. Once
+    joined, a process may create further strategies over the same job (a notebook cell run again, several
+    configurations in one script): `start()` then runs on the server already there, in the same order on every
+    process, and the first join's heartbeat stays. Another job is refused: TensorFlow starts one server per process.
     """
+    if config is not None and config.num_workers <= 1:
+        config = None  # a single local worker, however it was described
+    if _joined:
+        if _joined[0] != config:
+            raise InitOrderError(
+                f"{who} over {_describe(config)}, but this process already joined {_describe(_joined[0])}: "
+                "TensorFlow runs one cluster per process. Create the strategies of one script over one job "
+                "(the same TF_CONFIG)." + troubleshooting("initordererror"))
+        with _quiet_reenable():
+            return start()
     check_tf_not_started(who, fix)
-    if config is None or config.num_workers <= 1:
-        return start()
+    if config is None:
+        started = start()
+        _joined.append(config)
+        return started
     heartbeat_s = min(timeout_s, DEFAULT_HEARTBEAT_S) if heartbeat_s is None else float(heartbeat_s)
     leader = "chief" if "chief" in config.cluster else "worker"
     tf_runtime.configure_coordination(
@@ -72,7 +91,30 @@ def join_tf_job(config: ClusterConfig | None, start: Callable[[], T], *, timeout
         except (tf.errors.OpError, RuntimeError) as err:
             raise startup_error(config, timeout_s, err) from None
     install_excepthook(config)
+    _joined.append(config)
     return started
+
+
+@contextlib.contextmanager
+def _quiet_reenable():
+    """Drops TensorFlow's warning that collectives enabled after start-up may break earlier tensors: it is about a
+    process joining a cluster late; here the cluster and the server are the ones already running."""
+    absl = logging.getLogger("absl")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Enabling collective ops after program startup")
+
+    absl.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl.removeFilter(keep)
+
+
+def _describe(config: ClusterConfig | None) -> str:
+    if config is None:
+        return "a single local worker"
+    return f"a job of {config.num_workers} workers as {config.task_type} {config.task_index}"
 
 
 def start_server(config: ClusterConfig, timeout_s: float, *, who: str = "tfdist.comm.init(backend='tf') must run",
