@@ -45,3 +45,8 @@ def test_a_replica_function_branching_and_looping_on_tensors_runs_as_under_stock
     for strategy in (tfdist.MirroredStrategy(devices=DEVICES), tfdist.MirroredStrategy(devices=DEVICES, zero_stage=2)):
         got = run(strategy)
         np.testing.assert_array_equal(np.asarray(got, "float32"), np.asarray(stock, "float32"))
+    # LayerPlacementStrategy (one replica over both devices) wraps the replica function in one of tfdist's own:
+    # the user's is still converted, as on one device.
+    one = run(tf.distribute.get_strategy())
+    np.testing.assert_array_equal(np.asarray(run(tfdist.LayerPlacementStrategy(DEVICES)), "float32"),
+                                  np.asarray(one, "float32"))

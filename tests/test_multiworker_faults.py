@@ -241,9 +241,10 @@ def test_a_strategy_over_another_job_than_the_one_joined_is_refused(monkeypatch)
     joined = ClusterConfig({"worker": ["localhost:1111", "localhost:2222"]}, "worker", 0)
     monkeypatch.setattr(runtime, "_joined", [joined])
     other = ClusterConfig({"worker": ["localhost:1111", "localhost:3333"]}, "worker", 0)
-    for config, named in ((other, "over a job of 2 workers as worker 0"), (None, "over a single local worker")):
+    for config, named in ((other, r"over a job of 2 workers \(localhost:1111, localhost:3333\) as worker 0"),
+                          (None, "over a single local worker")):
         with pytest.raises(tfdist.InitOrderError, match=f"{named}, but this process already joined a job of 2 "
-                                                        "workers as worker 0"):
+                                                        r"workers \(localhost:1111, localhost:2222\) as worker 0"):
             runtime.join_tf_job(config, lambda: pytest.fail("started"), timeout_s=5, who="the strategy")
 
 

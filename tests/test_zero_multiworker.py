@@ -38,7 +38,7 @@ RUNS = {
 def _launch(script, n: int, devices: int, *args: str) -> str:
     """The launch's output; fails on a bad exit."""
     out = io.StringIO()
-    rc = launch([sys.executable, str(script), *args], n, devices_per_worker=devices, out=out, timeout_s=480,
+    rc = launch([sys.executable, str(script), *args], n, devices_per_worker=devices, out=out, timeout_s=720,
                 env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert rc == 0, out.getvalue()[-4000:]
     return out.getvalue()

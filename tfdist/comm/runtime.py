@@ -114,7 +114,8 @@ def _quiet_reenable():
 def _describe(config: ClusterConfig | None) -> str:
     if config is None:
         return "a single local worker"
-    return f"a job of {config.num_workers} workers as {config.task_type} {config.task_index}"
+    addresses = ", ".join(a for job in MULTI_WORKER_JOBS for a in config.cluster.get(job, []))
+    return f"a job of {config.num_workers} workers ({addresses}) as {config.task_type} {config.task_index}"
 
 
 def start_server(config: ClusterConfig, timeout_s: float, *, who: str = "tfdist.comm.init(backend='tf') must run",
