@@ -5,7 +5,7 @@ exempt: TensorFlow's, Keras', NumPy's. tfdist is library code of the same kind: 
 static structure (devices, shards, layers, groups), never on tensor values, and Keras' `fit` already runs it
 unconverted. Converted, it only costs time: a custom training loop's `strategy.run` inside a `tf.function` would
 have AutoGraph parse, rewrite and compile every tfdist function the step reaches, at its first trace. The user's
-own step, replica function and layers are still converted, as under TensorFlow's strategies.
+own step and replica function are still converted, as under TensorFlow's strategies.
 """
 
 from __future__ import annotations
