@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="steps after the first, for the per-step time (default 10)")
     p.add_argument("--json", default="bench_autograph_trace.json", help="where to write the JSON record")
     p.add_argument("--png", default="bench_autograph_trace.png", help="where to write the figure ('' to skip)")
-    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # a worker's mode
-    p.add_argument("--strategy", choices=STRATEGIES, help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default=MODES[0], help=argparse.SUPPRESS)  # a worker's mode
+    p.add_argument("--strategy", choices=STRATEGIES, default=STRATEGIES[0], help=argparse.SUPPRESS)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -90,7 +90,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _measure(mode: str, strategy: str, steps: int) -> dict:
-    command = [sys.executable, "-m", MODULE, "--mode", mode, "--strategy", strategy, "--steps", str(steps)]
+    command = [sys.executable, "-m", MODULE, "--worker", "--mode", mode, "--strategy", strategy, "--steps", str(steps)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -148,14 +148,11 @@ def _plot(summary: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode:
-        _worker(args)
-    else:
-        _driver(args)
+    _driver(args)
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=HELP)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    from benchmarks.processes import worker_or_driver_main
+
+    sys.exit(worker_or_driver_main(f"python -m {MODULE}", HELP, add_arguments, _worker, run))
