@@ -81,6 +81,16 @@ def test_a_sharded_table_trains_like_plain_keras_and_no_step_holds_the_whole_tab
     assert train["SGD"]["changed_rows"] == train["Adagrad"]["changed_rows"] == train["SGD"]["used_rows"] - 1
     assert train["AdamW"]["changed_rows"] == 4000
 
+    # tf.train.Checkpoint of the AdamW model (table, head, both Adam slots): one entry per shard of the table
+    # and of each slot, named by its rows, written by the server that holds it (one data file per server);
+    # restored exactly into the shards.
+    checkpoint = result["checkpoint"]
+    assert checkpoint["exact"], checkpoint
+    per_shard = [["VARIABLE_VALUE_rows_0_2000", [2000, 16]], ["VARIABLE_VALUE_rows_2000_4000", [2000, 16]]]
+    assert checkpoint["sharded_entries"] == sorted(per_shard * 3), checkpoint  # the table and its two Adam slots
+    assert [4000, 16] not in checkpoint["whole_entries"], checkpoint  # the head and counters stay whole entries
+    assert [f for f in checkpoint["files"] if ".data-" in f] == [f"ckpt.data-0000{i}-of-00003" for i in range(3)]
+
     # Called directly: negative ids, ids on the shard boundary, float, sparse and ragged ids, and a float16
     # output, as Keras.
     # A subclassed model (layers made after the strategy met it) gets the sharded lookup too.
@@ -110,6 +120,24 @@ def test_a_sharded_table_trains_like_plain_keras_and_no_step_holds_the_whole_tab
     assert np.isfinite(result["fallback"]["loss"]).all()
     assert any("Lamb is not known to update elementwise" in w and "/table/embeddings (sharded over 2 servers)" in w
                for w in result["fallback"]["warnings"]), result["fallback"]
+
+
+@pytest.mark.slow
+def test_the_checkpoint_benchmark_measures_every_process_and_restores_exactly(tmp_path):
+    """`tfdist bench ps-checkpoint` on a small table (the figures come from the full-size run in
+    docs/benchmarks.md): its record names every process of the job and each round restores the table exactly."""
+    out, png = tmp_path / "ps_checkpoint.json", tmp_path / "ps_checkpoint.png"
+    proc = subprocess.run([sys.executable, "-m", "tfdist", "bench", "ps-checkpoint", "--rows", "40000", "--dim", "16",
+                           "--servers", "2", "--rounds", "1", "--dir", str(tmp_path / "job"), "--json", str(out),
+                           "--png", str(png)], capture_output=True, text=True, timeout=400, check=False,
+                          env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert [shape for shape, _ in record["shards"]] == [[20000, 16], [20000, 16]] and png.stat().st_size > 0
+    assert len(record["data_files"]) >= 2 and all(r["restored_exactly"] for r in record["rounds"])
+    assert set(record["summary"]["save"]) == {"chief0", "worker1", "ps2", "ps3"}
+    for phase in ("save", "restore"):
+        assert all(s["n"] == 1 and s["min"] <= s["median"] <= s["max"] for s in record["summary"][phase].values())
 
 
 # --- Pieces, in process (fast) -------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_every_gradient_form_at_every_stage_equals_one_device(form, options):
 def test_stage3_leaves_a_variable_without_a_gradient_as_keras_does():
     """A two-output model trained on one output's loss only: the other head gets no gradient (Keras drops it), so
     neither it nor its Adam state moves (weight decay skips it too; its EMA stays its value). ZeRO-3 equals one
-    device, as stage 0 does."""
+    device, as stage 0 does, also when one unit holds both heads."""
     rng = np.random.RandomState(0)
     x, y = rng.rand(16, 4).astype("float32"), rng.rand(16, 2).astype("float32")
 
@@ -129,7 +129,10 @@ def test_stage3_leaves_a_variable_without_a_gradient_as_keras_does():
     before, expected = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
     np.testing.assert_array_equal(expected["b/kernel"], before["b/kernel"])  # Keras: no gradient, no step
     assert not np.allclose(expected["a/kernel"], before["a/kernel"])
-    for stage in (0, 3):
-        _, got = train(tfdist.MirroredStrategy(zero_stage=stage))
+    # Stage 3 with one unit per layer, and with the whole model as one unit (both heads gathered together: the
+    # head without a loss is still left alone, not updated with a zero gradient).
+    for stage, options in ((0, {}), (3, {}), (3, {"fsdp_unit_bytes": 1 << 20})):
+        _, got = train(tfdist.MirroredStrategy(zero_stage=stage, **options))
         for path, value in expected.items():
-            np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-6, err_msg=f"stage {stage}: {path}")
+            np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-6,
+                                       err_msg=f"stage {stage} {options}: {path}")

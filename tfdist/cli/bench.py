@@ -15,7 +15,7 @@ import sys
 # Benchmark modules of benchmarks/; each has NAME, HELP, add_arguments(parser) and run(args).
 BENCHMARKS = ["overhead", "allreduce", "scaling", "zero", "pipeline", "straggler", "epoch_boundary", "ddp",
               "network_scaling", "tensor_parallel", "zero_capacity", "tensor_parallel_zero", "gpu_check",
-              "collective_timeout", "autograph_trace"]
+              "collective_timeout", "autograph_trace", "ps_checkpoint"]
 SOURCE_TREE = pathlib.Path(__file__).resolve().parents[2]
 
 

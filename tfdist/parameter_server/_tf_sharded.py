@@ -65,6 +65,26 @@ class ShardedVariable(_sharded_variable.ShardedVariable):
     def __array__(self, dtype=None, copy=None):
         return np.asarray(tf.convert_to_tensor(self).numpy(), dtype=dtype)
 
+    # Checkpoints (`tf.train.Checkpoint`, which reaches this through the Keras variable): one entry per shard,
+    # read and written by the shard's own server, so neither a save nor a restore holds the whole table anywhere.
+    # TF's own ShardedVariable saves slices of one logical entry, but a Keras variable takes the newer
+    # `_serialize_to_tensors` path, whose restore keeps one slice per name; so each shard has its own name,
+    # from its rows. A checkpoint restores into the same split of rows (the same number of servers).
+    def _serialize_to_tensors(self):
+        return {key: shard._serialize_to_tensors()[_VALUE]
+                for key, shard in zip(self._checkpoint_keys(), self._variables)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return tf.group([shard._restore_from_tensors({_VALUE: restored_tensors[key]})
+                         for key, shard in zip(self._checkpoint_keys(), self._variables)])
+
+    def _checkpoint_keys(self) -> list[str]:
+        starts = [offset[0] for offset in self._var_offsets]
+        return [f"{_VALUE}_rows_{start}_{start + int(v.shape[0])}" for start, v in zip(starts, self._variables)]
+
+
+_VALUE = "VARIABLE_VALUE"  # the entry name of a variable's value in a checkpoint (TF's VARIABLE_VALUE_KEY)
+
 
 def _backend(v):  # the tf.Variable (or ShardedVariable) behind a Keras variable, never autocast
     return v._value if isinstance(v, _KerasVariable) else v

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist._compat.captured_inputs import differentiable_captures
@@ -125,13 +126,23 @@ class FsdpUnit:
                 with tf.GradientTape() as tape:
                     tape.watch(floats + weights)
                     again, _ = run(weights, values, fresh)
-                again = tf.nest.flatten(again)
-                dys = [tf.zeros_like(o) if d is None else d for o, d in zip(again, dys[:len(again)])]
-                grads = tape.gradient(again, floats + weights, output_gradients=dys,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                by_input = iter(grads[:len(floats)])
+                # Only the outputs that got a gradient: a weight that reaches none of them (a head without a
+                # loss, when one unit holds several heads) gets None, as Keras gives it outside a unit, so the
+                # optimizer leaves it and its state alone instead of stepping on a zero gradient. The tape hands
+                # such an output a constant zero tensor (None only where it passes none); a gradient computed
+                # from the loss is never a constant while tracing.
+                used = [(o, d) for o, d in zip(tf.nest.flatten(again), dys) if not _no_gradient(d)]
+                grads = (tape.gradient([o for o, _ in used], floats + weights, output_gradients=[d for _, d in used],
+                                       unconnected_gradients=tf.UnconnectedGradients.NONE)
+                         if used else [None] * (len(floats) + len(weights)))
+                by_input = iter(tf.zeros_like(x) if g is None else g for x, g in zip(floats, grads[:len(floats)]))
                 dx = [next(by_input) if x.dtype.is_floating else None for x in inputs]
-                return dx + self._reduce_scatter(ctx, grads[len(floats):]) + [None] * len(values)
+                unused = [g is None for g in grads[len(floats):]]
+                # Every replica traces the same step, so the reduce-scatter still runs with every piece (zeros
+                # for the unused ones): the collective's shape does not depend on which outputs had a loss.
+                summed = self._reduce_scatter(ctx, [tf.zeros_like(w) if g is None else g
+                                                    for w, g in zip(weights, grads[len(floats):])])
+                return dx + [None if u else g for g, u in zip(summed, unused)] + [None] * len(values)
 
             return outs + [new for _, new in updates], grad
 
@@ -232,6 +243,14 @@ class _LastIssued(threading.local):
 
 
 _last = _LastIssued()
+
+
+def _no_gradient(dy) -> bool:
+    """True for an output gradient that is None or the tape's constant zeros for an output the loss does not use."""
+    if dy is None:
+        return True
+    value = tf.get_static_value(dy)
+    return value is not None and not np.any(value)
 
 
 def _fresh(x: tf.Tensor) -> tf.Tensor:
