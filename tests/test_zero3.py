@@ -368,13 +368,45 @@ def test_l1_l2_and_l1l2_weight_regularizers_train_at_stage3_as_at_stage0():
     assert [layer.get_config() for layer in model.layers] == [layer.get_config() for layer in ref.layers]
 
 
-def test_other_regularizers_and_constraints_are_refused():
-    for kw, words in (({"kernel_regularizer": keras.regularizers.OrthogonalRegularizer(0.01)},
-                       r"OrthogonalRegularizer.*only L1 or L2 or L1L2"),
-                      ({"kernel_constraint": "non_neg"}, "constraint")):
-        _, model = make(3, lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(10, name="d", **kw)]))
-        with pytest.raises(ConfigError, match=words):
-            fit(model, epochs=1)
+class Spread(keras.regularizers.Regularizer):
+    """A user's own regularizer that reads the whole weight (its columns' variance), not a sum over elements."""
+
+    def __call__(self, x):
+        return 0.1 * keras.ops.var(keras.ops.sum(x, axis=0))
+
+    def get_config(self):
+        return {}
+
+
+def whole_weight_regularized():
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="tanh", kernel_initializer=init(1),
+                           kernel_regularizer=keras.regularizers.OrthogonalRegularizer(0.05), name="orthogonal"),
+        keras.layers.Dense(10, activation="softmax", kernel_initializer=init(2), kernel_regularizer=Spread(),
+                           bias_regularizer=keras.regularizers.L2(0.01), name="spread"),
+    ])
+
+
+def test_regularizers_of_the_whole_weight_train_at_stage3_as_at_stage0():
+    """Keras' OrthogonalRegularizer and a user's own read the whole weight: each replica takes them on the weight
+    its unit gathers, and the gradient of its own piece only; loss, weights, Adam state and model.losses equal
+    stage 0's."""
+    (_, ref), (_, model) = make(0, whole_weight_regularized), make(3, whole_weight_regularized)
+    ref_loss, loss = fit(ref), fit(model)
+    assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-5
+    assert max_rel(ref.get_weights(), model.get_weights()) < 1e-5
+    assert max_rel(state(ref), state(model)) < 1e-5
+    assert max_rel([np.array([float(t) for t in ref.losses])], [np.array([float(t) for t in model.losses])]) < 1e-5
+    assert [layer.get_config() for layer in model.layers] == [layer.get_config() for layer in ref.layers]
+
+
+def test_constraints_are_refused():
+    _, model = make(3, lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(10, name="d",
+                                                                                         kernel_constraint="non_neg")]))
+    with pytest.raises(ConfigError, match="constraint"):
+        fit(model, epochs=1)
 
 
 @pytest.mark.parametrize("kwargs, words", [({"zero_stage": 0, "offload": True}, "zero_stage=1, 2 or 3"),

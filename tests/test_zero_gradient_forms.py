@@ -106,6 +106,51 @@ def test_every_gradient_form_at_every_stage_equals_one_device(form, options):
 
 
 
+class Owner(keras.layers.Layer):
+    """A layer owning the three variables: stage 3 shards the weights of a model's layers (gathered by their
+    calls), so there they are a layer's, with the same initial values."""
+
+    def build(self, input_shape):
+        initial = dict(zip(("w", "embedding", "unused"), (np.asarray(v) for v in variables())))
+        for name, value in initial.items():
+            setattr(self, name, self.add_weight(shape=value.shape, name=name,
+                                                initializer=keras.initializers.Constant(value)))
+
+    def call(self, x):
+        return x + keras.ops.sum(self.w) + keras.ops.sum(self.embedding) + keras.ops.sum(self.unused)
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("form", ["per-replica", "shared", "indexed-slices-and-none"])
+def test_every_gradient_form_at_stage3_equals_one_device(form, options):
+    """Whole gradients (the variables' shapes) passed in a custom loop at stage 3: summed over the replicas and cut
+    into each replica's piece by one reduce-scatter; a shared tensor counts once; IndexedSlices as their dense
+    gradient; a variable without one left alone."""
+    strategy = tfdist.MirroredStrategy(zero_stage=3)
+    with strategy.scope():
+        owner = Owner()
+        model = keras.Sequential([keras.Input((1,)), owner])
+        opt = optimizer(options)
+        opt.build(model.trainable_variables)
+    weights = (owner.w, owner.embedding, owner.unused)
+
+    @tf.function
+    def step():
+        def replica_step():
+            ctx = tf.distribute.get_replica_context()
+            opt.apply_gradients(pairs(form, *weights, tf.cast(ctx.replica_id_in_sync_group, tf.float32)))
+
+        strategy.run(replica_step)
+
+    for _ in range(STEPS):
+        step()
+    with strategy.scope():
+        opt.finalize_variable_values(list(weights))
+    assert tfdist.zero.engine_of(opt).stage == 3
+    for name, mine, theirs in zip(("w", "embedding", "unused"), weights, one_device(form, options), strict=True):
+        np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-6, atol=1e-6, err_msg=f"stage 3: {name}")
+
+
 def test_stage3_leaves_a_variable_without_a_gradient_as_keras_does():
     """A two-output model trained on one output's loss only: the other head gets no gradient (Keras drops it), so
     neither it nor its Adam state moves (weight decay skips it too; its EMA stays its value). ZeRO-3 equals one

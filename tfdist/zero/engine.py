@@ -209,7 +209,7 @@ class ZeroEngine:
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
         ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
-        grads = ctx.merge_call(_per_replica, args=tuple(grads))
+        grads = ctx.merge_call(as_per_replica, args=tuple(grads))
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads,
                                                          [tf_variable(v) for v in self.variables])
@@ -376,7 +376,7 @@ def tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def _per_replica(strategy, *grads) -> list:
+def as_per_replica(strategy, *grads) -> list:
     """Cross-replica context: every gradient as per-replica values. One that is a single tensor (the same on every
     replica, e.g. made outside the replica function) is already this process's sum, as stock tf.distribute reduces
     it: the first local replica gets it and the others zeros, which the sum adds exactly. The replicas then reduce

@@ -12,13 +12,13 @@ from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_pieces, scale_pieces
 from tfdist.zero.config import ZeroConfig
-from tfdist.zero.engine import ZeroEngine
+from tfdist.zero.engine import ZeroEngine, as_per_replica
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
 from tfdist.zero.fsdp.param import FsdpParam
 from tfdist.zero.fsdp.piece_state import PieceState
-from tfdist.zero.fsdp.regularizers import ADDITIVE, shard_regularizers
-from tfdist.zero.fsdp.unit import FsdpUnit
+from tfdist.zero.fsdp.regularizers import ADDITIVE, gather_regularizers, shard_regularizers
+from tfdist.zero.fsdp.unit import FsdpUnit, to_local_replicas
 from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
@@ -113,6 +113,7 @@ class Zero3Engine(ZeroEngine):
         # piece's size, and `_update` leaves it and its state as they were, as Keras leaves a None gradient's.
         grads = [tf.zeros([self.layout.piece_sizes[j]], self.dtype) if j in self.missing else g
                  for j, g in enumerate(grads)]
+        grads = self._pieces_of_whole_gradients(ctx, grads)
         for j, g in enumerate(grads):
             if g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]):
                 raise ConfigError(
@@ -121,6 +122,33 @@ class Zero3Engine(ZeroEngine):
                     "(the optimizer was first built inside this step). Build the optimizer before the first "
                     "step, inside the scope: `optimizer.build(model.trainable_variables)` (model.fit does).")
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
+
+    def _pieces_of_whole_gradients(self, ctx, grads: list) -> list:
+        """Replica context: a custom loop may pass a whole gradient (the variable's shape, not its piece's), in any
+        form stock tf.distribute takes: per replica, one tensor shared by every replica, IndexedSlices (densified
+        by `_in_variable_order`). Each is summed over the replicas and cut into pieces by one reduce-scatter, as a
+        unit's backward does; a shared one counts once, as stock sums it (`as_per_replica`)."""
+        whole = [j for j, g in enumerate(grads) if tuple(g.shape) == tuple(self.variables[j].shape)
+                 and (g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]))]
+        if not whole:
+            return grads
+        each = ctx.merge_call(as_per_replica, args=tuple(grads[j] for j in whole))  # this replica's own value
+        n, chunks = self.comm.num_shards, []
+        for j, g in zip(whole, each):
+            k = self.layout.piece_sizes[j]
+            flat = tf.reshape(tf.cast(g, self.dtype), [-1])
+            flat = tf.pad(flat, [[0, n * k - self.params[j].size]]) if n * k > self.params[j].size else flat
+            chunks += [flat[r * k:(r + 1) * k] for r in range(n)]  # one per destination replica
+        pieces = ctx.merge_call(self._merge_reduce_scatter, args=tuple(chunks))
+        return [pieces[whole.index(j)] if j in whole else g for j, g in enumerate(grads)]
+
+    def _merge_reduce_scatter(self, strategy, *chunks) -> tuple:
+        n, local, out = self.comm.num_shards, strategy.experimental_local_results, []
+        for at in range(0, len(chunks), n):
+            mine = [local(c) for c in chunks[at:at + n]]  # [destination][local replica]
+            summed = self.comm.reduce_scatter([[mine[r][i] for r in range(n)] for i in range(len(self.comm.devices))])
+            out.append(to_local_replicas(strategy, summed, min(self.comm.shard_ids)))
+        return tuple(out)
 
     def _step(self, strategy, grads, learning_rate) -> None:
         self.step_pieces(strategy, grads, learning_rate)
@@ -192,7 +220,7 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
     pieces and wraps each layer that owns some of them as an `FsdpUnit`."""
     variables = list(variables)
     _check_variables(variables)
-    units = find_units(model, variables, config.unit_bytes, piece_regularizers=True)
+    units = find_units(model, variables, config.unit_bytes, piece_regularizers=True, gathered_regularizers=True)
     engine = Zero3Engine(optimizer, variables, config)
     shard_parameters(engine, variables, config)
     shard_regularizers(variables, engine.params)
@@ -201,6 +229,7 @@ def enable_stage3(optimizer, variables: list, config: ZeroConfig, model) -> Zero
         engine.units.append(FsdpUnit(layer, [(v, param_of[id(v)]) for v in owned], config.collectives,
                                      reshard_after_forward=config.reshard_after_forward, prefetch=config.prefetch,
                                      grad_dtype=config.grad_dtype))
+    gather_regularizers(engine.units)  # the others (orthogonal, a user's own) on the weight their unit gathers
     fsdp_keras.reset_step_functions(model)
     return engine
 
@@ -251,12 +280,13 @@ def _check_variables(variables: list) -> None:
 
 
 def find_units(model, variables: list, unit_bytes: int | None = None, whole=lambda layer: False, *,
-               piece_regularizers: bool = False) -> list[tuple]:
+               piece_regularizers: bool = False, gathered_regularizers: bool = False) -> list[tuple]:
     """(layer, its trainable variables to shard) for the top-most layers that own some of `variables`
     directly, or (with `unit_bytes`) whose weights, sublayers' included, total at most `unit_bytes`, or for
     which `whole(layer)` is true; a unit includes the variables of its sublayers (like FSDP's size-based
     auto-wrap, top-down). Weight regularizers are refused unless `piece_regularizers` (the caller then takes
-    them per piece, `shard_regularizers`) and they are sums over elements."""
+    them per piece, `shard_regularizers`) and they are sums over elements, or `gathered_regularizers` (the
+    caller takes the others on the gathered weight, `gather_regularizers`)."""
     wanted = {id(v) for v in variables}
     units, seen = [], set()
 
@@ -271,7 +301,7 @@ def find_units(model, variables: list, unit_bytes: int | None = None, whole=lamb
         if small or any(id(v) in wanted for v in fsdp_keras.direct_trainable_variables(layer)):
             regularized = [v for v in owned if getattr(v, "regularizer", None) is not None]
             refused = [f"{v.path} ({type(v.regularizer).__name__})" for v in regularized
-                       if not (piece_regularizers and type(v.regularizer) in ADDITIVE)]
+                       if not (piece_regularizers and type(v.regularizer) in ADDITIVE) and not gathered_regularizers]
             if refused:
                 allowed = " or ".join(c.__name__ for c in ADDITIVE)
                 which = (f"only {allowed} (sums over elements, taken on each piece) are supported here"

@@ -108,14 +108,14 @@ class FsdpUnit:
             inputs, mine, values = flat[:nx], flat[nx:nx + npieces], flat[nx + npieces:]
             # Gather when the inputs exist, not earlier: with no data dependency TF would run every
             # unit's all-gather at the start of the step and hold all parameters at once.
-            gathered = self._gather(ctx, mine, after=self._issue_after("forward", inputs))
+            gathered = self.gather(ctx, mine, after=self._issue_after("forward", inputs))
             out, updates = run(gathered, values, inputs)
             outs = tf.nest.flatten(out)
             shape.update(out=out, n=len(outs), updated=[v for v, _ in updates])
 
             def grad(*dys):
                 if self.reshard_after_forward:  # gathered again, at its backward
-                    weights = self._gather(ctx, mine, after=self._issue_after(
+                    weights = self.gather(ctx, mine, after=self._issue_after(
                         "backward", [d for d in dys if d is not None]))
                 else:  # the forward's tensors, kept alive until here by this use
                     weights = [tf.identity(w) for w in gathered]
@@ -171,7 +171,7 @@ class FsdpUnit:
             current_unit().pop()
 
     # --- collectives (replica context: one merge_call each, the replicas' values meet there) ---------
-    def _gather(self, ctx, pieces, after=()) -> list[tf.Tensor]:
+    def gather(self, ctx, pieces, after=()) -> list[tf.Tensor]:
         """This replica's full weights from every replica's pieces: per device group, one all-gather of the
         concatenation of its pieces, issued only once the tensors `after` exist."""
         with tf.control_dependencies(list(after)):
@@ -190,7 +190,7 @@ class FsdpUnit:
         return out
 
     def _merge_gather(self, strategy, *local):
-        return tuple(_per_replica(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
+        return tuple(to_local_replicas(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
                                   min(comm.shard_ids)) for x, (comm, _) in zip(local, self.groups))
 
     def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
@@ -223,7 +223,7 @@ class FsdpUnit:
             n = comm.num_shards
             local = [strategy.experimental_local_results(c) for c in chunks[at:at + n]]  # [destination][replica]
             at += n
-            out.append(_per_replica(strategy, comm.reduce_scatter(
+            out.append(to_local_replicas(strategy, comm.reduce_scatter(
                 [[local[r][i] for r in range(n)] for i in range(len(comm.devices))]), min(comm.shard_ids)))
         return tuple(out)
 
@@ -259,7 +259,7 @@ def _fresh(x: tf.Tensor) -> tf.Tensor:
         return tf.identity(x)
 
 
-def _per_replica(strategy, values: list, first: int):
+def to_local_replicas(strategy, values: list, first: int):
     """Local replica i (global replica `first + i`) gets values[i] back from a merge_call. `first` is this process's
     first global replica: the smallest of the group's local shard ids, which are this process's replicas in some
     order (across processes a group's shard ids follow TF's rank of its devices, not the local replica order)."""
