@@ -165,6 +165,38 @@ def test_fill_gives_every_row_the_same_value_however_the_table_is_split(monkeypa
     assert shard_init.for_shard(keras.initializers.Orthogonal(), shape, 0) is None  # no per-shard form
 
 
+def test_a_checkpoint_holds_one_entry_per_shard_and_restores_into_the_same_split(tmp_path):
+    """tf.train.Checkpoint of a sharded variable: one entry per shard named by its rows (each read and written where
+    the shard lives), restored exactly; a model split otherwise finds no entry for its rows, and TensorFlow names it
+    (docs/troubleshooting.md, "A parameter-server checkpoint does not restore")."""
+    import tensorflow as tf
+
+    from tfdist.parameter_server._tf_sharded import ShardedVariable
+
+    def holder(rows: list[int]) -> tf.Module:
+        parts, start = [], 0
+        for i, n in enumerate(rows):
+            with tf.device(f"/cpu:{i}"):
+                parts.append(tf.Variable(tf.reshape(tf.range(start * 2, (start + n) * 2, dtype=tf.float32), (n, 2))))
+            start += n
+        module = tf.Module()
+        module.table = ShardedVariable(parts, name="table")
+        return module
+
+    saved = holder([3, 2])
+    path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
+    assert [entry for entry in tf.train.list_variables(path) if "table" in entry[0]] == [
+        ("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_0_3", [3, 2]), ("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_3_5", [2, 2])]
+    restored = holder([3, 2])
+    for shard in restored.table.variables:
+        shard.assign(tf.zeros_like(shard))
+    tf.train.Checkpoint(m=restored).read(path).assert_consumed()
+    for mine, theirs in zip(restored.table.variables, saved.table.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    with pytest.raises(tf.errors.NotFoundError, match="VARIABLE_VALUE_rows_0_2 not found in checkpoint"):
+        tf.train.Checkpoint(m=holder([2, 3])).read(path)
+
+
 def test_update_arguments_are_split_by_the_rows_each_shard_owns():
     import tensorflow as tf
 
