@@ -185,8 +185,9 @@ def test_a_checkpoint_holds_one_entry_per_shard_and_restores_into_the_same_split
 
     saved = holder([3, 2])
     path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
-    assert [entry for entry in tf.train.list_variables(path) if "table" in entry[0]] == [
-        ("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_0_3", [3, 2]), ("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_3_5", [2, 2])]
+    entries = [entry for entry in tf.train.list_variables(path) if "table" in entry[0]]
+    assert entries == [("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_0_3", [3, 2]),
+                       ("m/table/.ATTRIBUTES/VARIABLE_VALUE_rows_3_5", [2, 2])]
     restored = holder([3, 2])
     for shard in restored.table.variables:
         shard.assign(tf.zeros_like(shard))
