@@ -17,10 +17,12 @@ STEPS = 4
 G = np.linspace(-1, 1, 12, dtype="float32").reshape(6, 2)
 ROWS = [1, 4]
 
+# global_clipnorm 15: the per-replica sums (norm about 22) are clipped, a shared tensor (about 2.2) is not, so a
+# shared gradient counted once per replica, or per-replica gradients averaged instead of summed, would show.
 OPTIONS = {
-    "ema-decay-clip": dict(use_ema=True, ema_overwrite_frequency=3, weight_decay=0.1, global_clipnorm=0.5),
+    "ema-decay-clip": dict(use_ema=True, ema_overwrite_frequency=3, weight_decay=0.1, global_clipnorm=15.0),
     "accumulate-ema-decay-clip": dict(gradient_accumulation_steps=2, use_ema=True, weight_decay=0.1,
-                                      global_clipnorm=0.5),
+                                      global_clipnorm=15.0),
 }
 
 
@@ -34,10 +36,10 @@ def optimizer(options: str) -> keras.optimizers.Optimizer:
     return keras.optimizers.SGD(0.1, momentum=0.5, **OPTIONS[options])
 
 
-def pairs(form: str, w, e, u, replica):
-    """The (gradient, variable) list one replica passes; `replica` is its index as a float tensor."""
-    shared = tf.constant(G)
-    per_replica = shared * (replica + 1.0)
+def pairs(form: str, w, e, u, replica, shared):
+    """The (gradient, variable) list one replica passes; `replica` is its index as a float tensor, `shared` one
+    tensor made outside the replica function (the same object on every replica)."""
+    per_replica = tf.constant(G) * (replica + 1.0)
     if form == "per-replica":
         return [(per_replica, w)]  # the other variables left out: no gradient, no update
     if form == "shared":
@@ -76,9 +78,11 @@ def under(strategy, form: str, options: str) -> list[np.ndarray]:
 
     @tf.function
     def step():
+        shared = tf.constant(G)
+
         def replica_step():
             ctx = tf.distribute.get_replica_context()
-            opt.apply_gradients(pairs(form, w, e, u, tf.cast(ctx.replica_id_in_sync_group, tf.float32)))
+            opt.apply_gradients(pairs(form, w, e, u, tf.cast(ctx.replica_id_in_sync_group, tf.float32), shared))
 
         strategy.run(replica_step)
 
@@ -136,9 +140,11 @@ def test_every_gradient_form_at_stage3_equals_one_device(form, options):
 
     @tf.function
     def step():
+        shared = tf.constant(G)
+
         def replica_step():
             ctx = tf.distribute.get_replica_context()
-            opt.apply_gradients(pairs(form, *weights, tf.cast(ctx.replica_id_in_sync_group, tf.float32)))
+            opt.apply_gradients(pairs(form, *weights, tf.cast(ctx.replica_id_in_sync_group, tf.float32), shared))
 
         strategy.run(replica_step)
 

@@ -72,6 +72,7 @@ def with_gradient_path(extended_class: type) -> type:
             return True
 
         def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+            value_destination_pairs = [self._shared_as_per_replica(reduce_op, v, d) for v, d in value_destination_pairs]
             values = [v for v, _ in value_destination_pairs]
             # Routed: one component per local device (PerReplica; a plain tensor with one local device), reduced
             # onto those same devices (Keras passes each gradient as its own destination).
@@ -91,6 +92,24 @@ def with_gradient_path(extended_class: type) -> type:
             reduced = self.gradient_router.reduce(per_device, devices, all_reduce)
             return [_distribute_utils.regroup([reduced[i][j] for i in range(len(devices))], wrap_class=_values.Mirrored)
                     for j in range(len(values))]
+
+        def _shared_as_per_replica(self, reduce_op, value, destination) -> tuple:
+            """A gradient made outside the replica function reaches a step's sum as one tensor, the same on every
+            replica, which TF's reduction refuses ("destinations can not be empty"). Its sum over the replicas is
+            the tensor itself (TF's replica all-reduce of such a tensor returns it): as per-replica values, the
+            tensor on the first device and zeros on the others, it is reduced like any gradient."""
+            if (reduce_op != tf.distribute.ReduceOp.SUM or not getattr(self, "_tfdist_step_depth", 0)
+                    or len(self.worker_devices) < 2 or isinstance(value, tf.distribute.DistributedValues)
+                    or not tf.is_tensor(value) or isinstance(value, tf.IndexedSlices) or not value.dtype.is_floating):
+                return value, destination
+            parts = []
+            for i, device in enumerate(self.worker_devices):
+                with tf.device(device):
+                    parts.append(tf.identity(value) if i == 0 else tf.zeros_like(value))
+            per_replica = _distribute_utils.regroup(parts, always_wrap=True)
+            # Its destination was the tensor itself, or that tensor's device ('' when it was made unplaced).
+            mine = destination is value or (isinstance(destination, str) and destination in ("", value.device))
+            return per_replica, per_replica if mine else destination
 
         def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
             if self._use_merge_call():
