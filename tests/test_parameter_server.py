@@ -173,6 +173,9 @@ def test_a_lost_parameter_server_stops_the_job_clearly_and_a_rerun_resumes_from_
     assert "ps 0 was killed by SIGKILL; parameter servers are not restarted" in log
     assert not result  # the chief stopped before writing its result
     assert (backup / "epoch-2").is_dir()
+    # A tf.train.Checkpoint, each server's shards in its own data file, not a .weights.h5 read whole by the chief.
+    files = sorted(p.name for p in (backup / "epoch-2").iterdir())
+    assert "state.index" in files and "state.weights.h5" not in files, files
 
     code, result, log = _job(tmp_path, epochs=4, backup=backup)  # the same command again
     assert code == 0, log[-3000:]

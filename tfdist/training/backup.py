@@ -31,7 +31,9 @@ class BackupAndRestore(keras.callbacks.Callback):
       saving leaves the previous backup intact (its partial copy is removed when training starts again);
     - with `delete_on_success`, the backup goes only once every rank has finished `fit`: a rank lost
       after the chief is done makes the restarted job resume from it instead of starting over;
-    - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated.
+    - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated;
+    - under `ParameterServerStrategy` a backup is a `tf.train.Checkpoint`, each server writing its own
+      shards (elsewhere, the chief's `.weights.h5`).
       With shuffled data, also use `tfdist.data.EpochOrder` (`tfdist.data.load(...).order`) so
       epoch N sees the same order as in an uninterrupted run, and the result is bitwise the same.
 
@@ -84,7 +86,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Its slots must exist before load_weights, as variables of the model's strategy.
             with self.model.distribute_strategy.scope():
                 optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(os.path.join(path, "state.weights.h5"))
+        if os.path.exists(os.path.join(path, _CHECKPOINT + ".index")):  # written by parameter servers
+            _checkpoint(self.model).read(os.path.join(path, _CHECKPOINT)).assert_consumed()
+        else:
+            self.model.load_weights(os.path.join(path, "state.weights.h5"))
         keras_model.set_initial_epoch(self.model, epochs_done)
         self.restored_epoch = epochs_done
         if self._chief():
@@ -103,7 +108,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         tmp = os.path.join(self.backup_dir, f".tmp-epoch-{epoch + 1}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        self.model.save_weights(os.path.join(tmp, "state.weights.h5"))  # model + optimizer variables
+        if _on_parameter_servers(self.model):  # each server writes its own shards: no table gathered here
+            _checkpoint(self.model).write(os.path.join(tmp, _CHECKPOINT))
+        else:
+            self.model.save_weights(os.path.join(tmp, "state.weights.h5"))  # model + optimizer variables
         with open(os.path.join(tmp, "state.json"), "w") as f:
             json.dump({"epochs_done": epoch + 1, "logs": {k: float(v) for k, v in (logs or {}).items()}}, f)
         final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}")
@@ -130,6 +138,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             for name in os.listdir(self.backup_dir):
                 if _PARTIAL.match(name):
                     shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+
+
+_CHECKPOINT = "state"  # the tf.train.Checkpoint prefix of a backup made under parameter servers
+
+
+def _on_parameter_servers(model) -> bool:
+    return isinstance(model.distribute_strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
+def _checkpoint(model) -> tf.train.Checkpoint:
+    """Model and optimizer variables as a tf.train.Checkpoint: under parameter servers a sharded variable is one
+    entry per shard, written and read by its server (tfdist.parameter_server), where `.weights.h5` would read
+    every variable whole into the chief."""
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
 
 
 def all_ranks_finished(strategy: tf.distribute.Strategy) -> None:
