@@ -87,6 +87,31 @@ def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
     assert int(resumed.optimizer.iterations.numpy()) == 12
 
 
+def test_a_chief_killed_while_removing_a_finished_backup_leaves_nothing_to_restore(tmp_path, monkeypatch):
+    """The backup is renamed before it is removed: a removal cut short (here: the first file removed, then the
+    process 'killed') leaves no backup a rerun would restore half of, and the rerun clears what was left."""
+    import shutil
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")
+    backup = BackupAndRestore(str(tmp_path / "b"))
+    stock_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False, onerror=None):
+        if ".deleted-" not in str(path):  # the backups' own rotation, as usual
+            return stock_rmtree(path, ignore_errors=ignore_errors, onerror=onerror)
+        os.remove(os.path.join(path, "epoch-2", "state.weights.h5"))
+        raise KeyboardInterrupt  # the chief is gone before the rest is removed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        _model().fit(x, y, epochs=2, verbose=0, callbacks=[backup])
+    monkeypatch.setattr(shutil, "rmtree", stock_rmtree)
+    assert backup.latest() is None and [p.name for p in tmp_path.iterdir()] == [f"b.deleted-{os.getpid()}"]
+    _model().fit(x, y, epochs=1, verbose=0, callbacks=[BackupAndRestore(str(tmp_path / "b"))])  # starts afresh
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_non_chief_writes_no_backup_and_no_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", NOT_CHIEF)  # rank 1 of 2 (no strategy needed to decide)
     x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")

@@ -30,7 +30,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       `backup_dir/epoch-N` (written under a temporary name, then renamed), so a worker killed while
       saving leaves the previous backup intact (its partial copy is removed when training starts again);
     - with `delete_on_success`, the backup goes only once every rank has finished `fit`: a rank lost
-      after the chief is done makes the restarted job resume from it instead of starting over;
+      after the chief is done makes the restarted job resume from it instead of starting over; it is
+      renamed before it is removed, so a chief killed while removing it leaves no half-deleted backup;
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated;
     - under `ParameterServerStrategy` a backup is a `tf.train.Checkpoint`, each server writing its own
       shards (elsewhere, the chief's `.weights.h5`).
@@ -130,14 +131,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Only once every rank has finished: a rank that fails after the chief is done restarts the job, which
         # must find the last backup, not start over. A lost rank fails this collective, and nothing is deleted.
         all_ranks_finished(self._strategy or self.model.distribute_strategy)
-        if self._chief():
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if self._chief() and os.path.isdir(self.backup_dir):
+            # Renamed first (atomic), then removed: a chief killed while removing leaves no half-deleted backup
+            # that a later run would try to restore, only a `.deleted-PID` sibling, removed at the next start.
+            doomed = f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}"
+            os.rename(self.backup_dir, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove_partial(self) -> None:
         if os.path.isdir(self.backup_dir):
             for name in os.listdir(self.backup_dir):
                 if _PARTIAL.match(name):
                     shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+        parent, base = os.path.split(os.path.normpath(self.backup_dir))
+        for name in os.listdir(parent or "."):  # what a chief killed while removing a finished run's backup left
+            if re.fullmatch(re.escape(base) + r"\.deleted-\d+", name):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 _CHECKPOINT = "state"  # the tf.train.Checkpoint prefix of a backup made under parameter servers
