@@ -194,7 +194,7 @@ def test_no_sync_accumulation_equals_the_large_batch_step():
 
 
 def test_no_sync_after_a_synced_first_step_is_a_config_error():
-    # Raised while the step is traced: autograph re-raises it as its StagingError, whose message ends in ours.
-    with pytest.raises(Exception, match="ConfigError: no_sync: optimizer .* already applied gradients outside "
+    # Raised while the step is traced: AutoGraph re-raises it, still a ConfigError, its message ending in ours.
+    with pytest.raises(ConfigError, match="ConfigError: no_sync: optimizer .* already applied gradients outside "
                                         "no_sync before its first no_sync step"):
         _custom_loop(micro=4, first_sync=True)

@@ -112,6 +112,14 @@ def test_a_chief_killed_while_removing_a_finished_backup_leaves_nothing_to_resto
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_empty_backup_dir_is_a_config_error():
+    from tfdist.errors import ConfigError
+
+    for empty in ("", None):
+        with pytest.raises(ConfigError, match="backup_dir must name a directory, got an empty value"):
+            BackupAndRestore(empty)
+
+
 def test_non_chief_writes_no_backup_and_no_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", NOT_CHIEF)  # rank 1 of 2 (no strategy needed to decide)
     x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")

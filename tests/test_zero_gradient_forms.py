@@ -187,3 +187,27 @@ def test_stage3_leaves_a_variable_without_a_gradient_as_keras_does():
         for path, value in expected.items():
             np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-6,
                                        err_msg=f"stage {stage} {options}: {path}")
+
+
+def test_gradients_zero_cannot_take_are_config_errors():
+    """Outside `strategy.run`, one variable twice, and at stage 3 a gradient of neither the variable's nor its
+    piece's shape: each a ConfigError that says what to do, before anything is applied; raised while a user's
+    step is traced, it reaches the user as a ConfigError still (AutoGraph keeps the type)."""
+    for stage in (1, 2):
+        strategy = tfdist.MirroredStrategy(zero_stage=stage)
+        with strategy.scope():
+            w, e, u = variables()
+            opt = optimizer("ema-decay-clip")
+            opt.build([w, e, u])
+        with strategy.scope(), pytest.raises(ConfigError, match=r"must run inside strategy.run\(\)"):
+            opt.apply_gradients([(tf.constant(G), w)])
+        with pytest.raises(ConfigError, match="two gradients for one variable.*pass each variable once"):
+            strategy.run(tf.function(lambda: opt.apply_gradients([(tf.constant(G), w), (tf.constant(G), w)])))
+    strategy = tfdist.MirroredStrategy(zero_stage=3)
+    with strategy.scope():
+        owner = Owner()
+        model = keras.Sequential([keras.Input((1,)), owner])
+        opt = optimizer("ema-decay-clip")
+        opt.build(model.trainable_variables)
+    with pytest.raises(ConfigError, match=r"the gradient of .*w has shape \(12,\), not its piece's \(3,\)"):
+        strategy.run(tf.function(lambda: opt.apply_gradients([(tf.ones(12), owner.w)])))

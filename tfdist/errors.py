@@ -10,6 +10,11 @@ TROUBLESHOOTING_PAGE = "docs/troubleshooting.md"
 class TfdistError(Exception):
     """Base class of every error tfdist raises on purpose."""
 
+    # Exception's own constructor, not ValueError's or RuntimeError's: AutoGraph re-raises an error from a user's
+    # converted function (a custom loop's step) as its own type only when the type takes its message this way;
+    # otherwise the user gets a StagingError and `except ConfigError` misses it.
+    __init__ = Exception.__init__
+
 
 class ConfigError(TfdistError, ValueError):
     """A parameter has a value tfdist cannot use (the message names it and says what would work)."""

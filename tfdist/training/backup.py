@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_model
 from tfdist.cluster.rank import is_chief, world_size
+from tfdist.errors import ConfigError
 from tfdist.zero.attach import gathered_state
 
 __all__ = ["BackupAndRestore"]
@@ -53,7 +54,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, backup_dir: str, delete_on_success: bool = True, strategy=None):
         super().__init__()
         if not backup_dir:
-            raise ValueError("BackupAndRestore: backup_dir must name a directory, got an empty value. Pass a "
+            raise ConfigError("BackupAndRestore: backup_dir must name a directory, got an empty value. Pass a "
                              "directory every worker sees, e.g. BackupAndRestore('/shared/run1/backup').")
         self.backup_dir = os.fspath(backup_dir)
         self.delete_on_success = delete_on_success
