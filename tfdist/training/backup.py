@@ -136,7 +136,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Renamed first (atomic), then removed: a chief killed while removing leaves no half-deleted backup
             # that a later run would try to restore, only a `.deleted-PID` sibling, removed at the next start.
             doomed = f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}"
-            os.rename(self.backup_dir, doomed)
+            try:
+                os.rename(self.backup_dir, doomed)
+            except OSError:  # e.g. a mount point, or no write access to its parent: removed where it is
+                doomed = self.backup_dir
             shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove_partial(self) -> None:
@@ -145,7 +148,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if _PARTIAL.match(name):
                     shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
         parent, base = os.path.split(os.path.normpath(self.backup_dir))
-        for name in os.listdir(parent or "."):  # what a chief killed while removing a finished run's backup left
+        parent = parent or "."
+        leftovers = os.listdir(parent) if os.path.isdir(parent) else []
+        for name in leftovers:  # what a chief killed while removing a finished run's backup left
             if re.fullmatch(re.escape(base) + r"\.deleted-\d+", name):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
