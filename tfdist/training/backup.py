@@ -35,7 +35,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       renamed before it is removed, so a chief killed while removing it leaves no half-deleted backup;
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated;
     - under `ParameterServerStrategy` a backup is a `tf.train.Checkpoint`, each server writing its own
-      shards (elsewhere, the chief's `.weights.h5`).
+      shards, so `backup_dir` must be writable by every server too (elsewhere, the chief's `.weights.h5`).
       With shuffled data, also use `tfdist.data.EpochOrder` (`tfdist.data.load(...).order`) so
       epoch N sees the same order as in an uninterrupted run, and the result is bitwise the same.
 

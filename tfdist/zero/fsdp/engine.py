@@ -117,10 +117,12 @@ class Zero3Engine(ZeroEngine):
         for j, g in enumerate(grads):
             if g.shape.rank != 1 or g.shape[0] not in (None, self.layout.piece_sizes[j]):
                 raise ConfigError(
-                    f"ZeRO stage 3: the gradient of {self.variables[j].path} has shape {tuple(g.shape)}, not its "
-                    f"piece's ({self.layout.piece_sizes[j]},): the model ran before its parameters were sharded "
-                    "(the optimizer was first built inside this step). Build the optimizer before the first "
-                    "step, inside the scope: `optimizer.build(model.trainable_variables)` (model.fit does).")
+                    f"ZeRO stage 3: the gradient of {self.variables[j].path} has shape {tuple(g.shape)}: pass the "
+                    f"variable's shape {tuple(self.variables[j].shape)} or its piece's ({self.layout.piece_sizes[j]},) "
+                    "(what the model's own backward gives). A piece-shaped gradient of another size means the model "
+                    "ran before its parameters were sharded (the optimizer was first built inside this step): build "
+                    "it before the first step, inside the scope: `optimizer.build(model.trainable_variables)` "
+                    "(model.fit does).")
         ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
 
     def _pieces_of_whole_gradients(self, ctx, grads: list) -> list:

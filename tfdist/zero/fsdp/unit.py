@@ -129,8 +129,9 @@ class FsdpUnit:
                 # Only the outputs that got a gradient: a weight that reaches none of them (a head without a
                 # loss, when one unit holds several heads) gets None, as Keras gives it outside a unit, so the
                 # optimizer leaves it and its state alone instead of stepping on a zero gradient. The tape hands
-                # such an output a constant zero tensor (None only where it passes none); a gradient computed
-                # from the loss is never a constant while tracing.
+                # such an output zeros made from nothing but its shape (`_no_gradient`); a gradient computed from
+                # the loss is not, unless the output reaches the loss only through ops whose gradient is zero by
+                # definition (tf.sign, tf.round), where the weights then keep their values as with no loss.
                 used = [(o, d) for o, d in zip(tf.nest.flatten(again), dys) if not _no_gradient(d)]
                 grads = (tape.gradient([o for o, _ in used], floats + weights, output_gradients=[d for _, d in used],
                                        unconnected_gradients=tf.UnconnectedGradients.NONE)
@@ -246,8 +247,9 @@ _last = _LastIssued()
 
 
 def _no_gradient(dy) -> bool:
-    """True for an output gradient that is None or the tape's constant zeros for an output the loss does not use."""
-    if dy is None:
+    """True for an output gradient that is None or the tape's zeros for an output the loss does not use: a constant
+    when the output's shape is known while tracing, a `ZerosLike` of the output otherwise."""
+    if dy is None or dy.op.type == "ZerosLike":
         return True
     value = tf.get_static_value(dy)
     return value is not None and not np.any(value)
