@@ -81,6 +81,9 @@ def test_a_model_and_optimizer_built_under_a_strategy_are_their_plain_keras_twin
     for mine, theirs in zip(twin.layers, plain.layers, strict=True):
         assert names(mine) == names(theirs), mine.name
         assert mine.get_config() == theirs.get_config()
+        assert type(mine).from_config(mine.get_config()).get_config() == theirs.get_config(), mine.name
+    assert twin.get_config() == plain.get_config()
+    assert type(twin).from_config(twin.get_config()).get_config() == plain.get_config()  # revived as plain Keras
     assert twin.optimizer.get_config() == plain.optimizer.get_config()
     if strategy_name not in SHARDED_VARIABLES:
         described = lambda vs: [(v.path, tuple(v.shape), v.dtype) for v in vs]  # noqa: E731
