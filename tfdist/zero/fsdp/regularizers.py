@@ -73,17 +73,19 @@ class GatheredRegularizer(keras.regularizers.Regularizer):
         @tf.custom_gradient
         def penalty(mine):
             whole = self.unit.gather(ctx, [mine if j == self.index else p for j, p in enumerate(pieces)])
-            weight = whole[self.index]
+            with tf.GradientTape() as tape:
+                tape.watch(whole[self.index])
+                value = self.original(whole[self.index])
+            # Only this replica's slice of the penalty's gradient is kept for the backward (a copy: a slice could
+            # keep the whole gradient's buffer alive), so the gathered weight is freed once the penalty is taken.
+            flat = tf.reshape(tape.gradient(value, whole[self.index]), [-1])
+            flat = tf.pad(flat, [[0, k * param.num_shards - param.size]])
+            own = tf.raw_ops.DeepCopy(x=flat[replica * k:(replica + 1) * k])
 
             def grad(dy):
-                with tf.GradientTape() as tape:
-                    tape.watch(weight)
-                    value = self.original(weight)
-                flat = tf.reshape(tape.gradient(value, weight), [-1])
-                flat = tf.pad(flat, [[0, k * param.num_shards - param.size]])
-                return dy * tf.cast(count, dy.dtype) * flat[replica * k:(replica + 1) * k]
+                return dy * tf.cast(count, dy.dtype) * own
 
-            return self.original(weight), grad
+            return value, grad
 
         return penalty(pieces[self.index])
 
