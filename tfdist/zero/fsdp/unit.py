@@ -248,8 +248,12 @@ _last = _LastIssued()
 
 def _no_gradient(dy) -> bool:
     """True for an output gradient that is None or the tape's zeros for an output the loss does not use: a constant
-    when the output's shape is known while tracing, a `ZerosLike` of the output otherwise."""
-    if dy is None or dy.op.type == "ZerosLike":
+    when the output's shape is known while tracing, a `ZerosLike` of the output otherwise (traced steps only)."""
+    if dy is None:
+        return True
+    if not tf.is_symbolic_tensor(dy):  # run eagerly: a value, whose zeros cannot be told from a real zero gradient
+        return False
+    if dy.op.type == "ZerosLike":
         return True
     value = tf.get_static_value(dy)
     return value is not None and not np.any(value)
