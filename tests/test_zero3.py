@@ -356,18 +356,6 @@ def regularized():
     ])
 
 
-def test_l1_l2_and_l1l2_weight_regularizers_train_at_stage3_as_at_stage0():
-    """Each replica adds the penalty of its own piece: the loss Keras reports, the weights and the Adam state equal
-    stage 0's (which reads whole weights), and model.losses outside a step is the whole weights' penalty."""
-    (_, ref), (_, model) = make(0, regularized), make(3, regularized)
-    ref_loss, loss = fit(ref), fit(model)
-    assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-5
-    assert max_rel(ref.get_weights(), model.get_weights()) < 1e-5
-    assert max_rel(state(ref), state(model)) < 1e-5
-    assert max_rel([np.array([float(t) for t in ref.losses])], [np.array([float(t) for t in model.losses])]) < 1e-5
-    assert [layer.get_config() for layer in model.layers] == [layer.get_config() for layer in ref.layers]
-
-
 class Spread(keras.regularizers.Regularizer):
     """A user's own regularizer that reads the whole weight (its columns' variance), not a sum over elements."""
 
@@ -389,11 +377,13 @@ def whole_weight_regularized():
     ])
 
 
-def test_regularizers_of_the_whole_weight_train_at_stage3_as_at_stage0():
-    """Keras' OrthogonalRegularizer and a user's own read the whole weight: each replica takes them on the weight
-    its unit gathers, and the gradient of its own piece only; loss, weights, Adam state and model.losses equal
-    stage 0's."""
-    (_, ref), (_, model) = make(0, whole_weight_regularized), make(3, whole_weight_regularized)
+@pytest.mark.parametrize("model_fn", [regularized, whole_weight_regularized], ids=["per-piece", "whole-weight"])
+def test_weight_regularizers_train_at_stage3_as_at_stage0(model_fn):
+    """L1, L2 and L1L2: each replica adds the penalty of its own piece. OrthogonalRegularizer and a user's own read
+    the whole weight: each replica takes them on the weight its unit gathers, and the gradient of its own piece
+    only. Either way the loss Keras reports, the weights and the Adam state equal stage 0's (which reads whole
+    weights), and model.losses outside a step is the whole weights' penalty."""
+    (_, ref), (_, model) = make(0, model_fn), make(3, model_fn)
     ref_loss, loss = fit(ref), fit(model)
     assert max_rel([np.array(ref_loss)], [np.array(loss)]) < 1e-5
     assert max_rel(ref.get_weights(), model.get_weights()) < 1e-5
