@@ -16,6 +16,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+import twins  # noqa: E402
 
 tf.get_logger().setLevel("INFO")  # the coordinator logs "Worker ... has been recovered." at INFO
 out_dir, epochs = sys.argv[1], int(sys.argv[2])
@@ -32,8 +33,9 @@ def dataset_fn(input_context):
 
 with strategy.scope():
     model = tfdist.models.cnn(arrays.input_shape, arrays.num_classes, seed=0)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
+    model.compile(optimizer=keras.optimizers.Adam(1e-3, name="adam"), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
+twin = twins.serialization_differences(model.optimizer)  # Keras' own check, on the optimizer as the scope made it
 
 errors = {}
 for name, call in {
@@ -103,11 +105,20 @@ embedding = {"shards": [[list(s.shape), s.device] for s in table.value.variables
              "loss": embedding_history["loss"], "changed_rows": changed_rows,
              "used_rows": int(len(set(tokens.numpy().ravel().tolist())))}
 
+# The same CNN in plain Keras on the chief's device, used as the job used it: tests/test_keras_twins.py's check.
+plain = tfdist.models.cnn(arrays.input_shape, arrays.num_classes, seed=0)
+plain.compile(optimizer=keras.optimizers.Adam(1e-3, name="adam"), loss="sparse_categorical_crossentropy",
+              metrics=["accuracy"])
+plain.fit(arrays.x_train[:64], arrays.y_train[:64], batch_size=64, verbose=0,
+          validation_data=(arrays.x_test[:64], arrays.y_test[:64]))
+plain.evaluate(arrays.x_test[:64], arrays.y_test[:64], verbose=0)
+twin += twins.differences(model, plain)
+
 shards = {v.path: [s.device for s in getattr(v.value, "variables", [v.value])]
           for v in model.variables + model.optimizer.variables}
 with open(os.path.join(out_dir, "result.json"), "w") as f:
     json.dump({"test_accuracy": accuracy, "test_loss": loss, "worker_eval_accuracy": dist_accuracy,
-               "test_step_writes": test_step_writes, "helper": helper,
+               "test_step_writes": test_step_writes, "helper": helper, "twin": twin,
                "history": history.history, "shards": shards, "errors": errors, "embedding": embedding,
                "predict": model.predict(arrays.x_test[:8], verbose=0).argmax(1).tolist()}, f)
 print("ps_job: done", flush=True)

@@ -118,6 +118,8 @@ def test_async_training_on_two_servers_learns_mnist_and_saves_a_plain_keras_mode
     assert helper["callable"] and helper["steps_per_epoch"] == 45
     assert len(helper["history"]["loss"]) == len(helper["history"]["val_loss"]) == 1
     assert np.isfinite(helper["history"]["loss"] + helper["history"]["val_loss"]).all()
+    # The chief's CNN and its optimizer against the same ones trained in plain Keras (tests/twins.py).
+    assert result["twin"] == [], result["twin"]
 
     # The .keras file loads in plain Keras and under MirroredStrategy, with the chief's accuracy.
     import keras

@@ -66,6 +66,14 @@ def test_zero1_equals_stage0_exactly_and_zero2_within_1e4(run):
         np.testing.assert_array_equal(a, b)
 
 
+def test_each_rank_s_model_and_optimizer_are_their_plain_keras_twins(run):
+    """tests/test_keras_twins.py's check (tests/twins.py), made by each rank at each stage on the model it trained
+    against the same model trained in plain Keras in the same process."""
+    _, records = run
+    assert [{stage: info["twin"] for stage, info in record["stages"].items()} for record in records] == \
+        [{stage: [] for stage in ("0", "1", "2")}] * 2
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_both_ranks_end_bit_identical(run, stage):
     out, _ = run

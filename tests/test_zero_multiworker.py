@@ -156,6 +156,15 @@ def test_both_workers_end_bit_identical(runs):
 
 
 @pytest.mark.slow
+def test_each_worker_s_model_and_optimizer_are_their_plain_keras_twins(runs):
+    """tests/test_keras_twins.py's check (tests/twins.py), made by each worker of each run on the model it trained
+    against the same model trained in plain Keras in the same process."""
+    _, data, _, _ = runs
+    assert {(tag, r): data[tag, r]["twin"] for tag in RUNS for r in (0, 1)} == {(tag, r): [] for tag in RUNS
+                                                                                for r in (0, 1)}
+
+
+@pytest.mark.slow
 def test_slot_shards_live_only_on_their_owner(runs):
     _, data, _, _ = runs
     for tag, (n, m, stage, offload, _) in RUNS.items():

@@ -9,6 +9,7 @@ to OUT_DIR (rank{r}.json, *.npz, *.keras).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+import twins  # noqa: E402
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(256, 8, 8, 1)).astype("float32")
@@ -39,6 +41,14 @@ def main() -> int:
     record: dict = {"stages": {}, "continue": {}}
     rank = None
 
+    @functools.cache
+    def plain_twin() -> keras.Model:
+        """The same model built and trained in plain Keras, on this process's device."""
+        model = tfdist.models.cnn((8, 8, 1), 10, filters=(4, 8), dense_units=16, seed=0)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, name="adam"), loss="sparse_categorical_crossentropy")
+        model.fit(X[:64], Y[:64], batch_size=64, verbose=0)
+        return model
+
     def state(model) -> list[np.ndarray]:
         with tfdist.zero.gathered_state(model):  # every rank: reading sharded state is collective
             return [np.asarray(v.numpy()) for v in model.optimizer.variables]
@@ -49,7 +59,8 @@ def main() -> int:
         ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(64)  # 4 global steps per epoch
         with strategy.scope():
             model = tfdist.models.cnn((8, 8, 1), 10, filters=(4, 8), dense_units=16, seed=0)
-            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+            model.compile(optimizer=keras.optimizers.Adam(1e-2, name="adam"), loss="sparse_categorical_crossentropy")
+        twin = twins.serialization_differences(model.optimizer)
         callbacks = []
         if stage == 2:
             callbacks.append(tfdist.training.ModelCheckpoint(os.path.join(out, "s2_ep{epoch}.keras")))
@@ -59,7 +70,8 @@ def main() -> int:
         model.fit(ds, epochs=5, shuffle=False, verbose=0, callbacks=callbacks)
         print(f"stage {stage}: fitted", flush=True)
         info: dict = {"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
-                      "memory": strategy.memory_report(model).to_dict()}
+                      "memory": strategy.memory_report(model).to_dict(),
+                      "twin": twin + twins.differences(model, plain_twin())}
         engine = tfdist.zero.engine_of(model.optimizer)
         if engine is not None:
             info["shard_ids"] = list(engine.comm.shard_ids)

@@ -4,8 +4,9 @@ same processes (a strategy each, over the job the first one joined), results to 
 Usage (under `tfdist launch -n 2 [--devices-per-worker M]`): python zero_multiworker_job.py OUT RUNS, RUNS a
 comma-separated list of TAG:STAGE:OFFLOAD:REF (REF: the tag whose stage-0 checkpoint to continue from, or -).
 """
-import contextlib, glob, json, os, shutil, sys, tempfile
+import contextlib, functools, glob, json, os, shutil, sys, tempfile
 import numpy as np
+import twins
 out = sys.argv[1]
 runs = [(tag, int(stage), offload == "1", ref) for tag, stage, offload, ref in
         (run.split(":") for run in sys.argv[2].split(","))]
@@ -32,12 +33,22 @@ data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options
 
 def build(scope=None, optimizer=None):
     with (scope or strategy.scope)():
+        # Named, so each model is its plain-Keras twin's equal (Keras numbers unnamed ones per process).
         model = keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1)),
-            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
-        ])  # 161 parameters: shards of 81 (2 replicas) or 41 (4), the last one padded
-        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01), loss="mse")
+            keras.Input((8,), name="x"),
+            keras.layers.Dense(16, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(1),
+                               name="hidden"),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2), name="out"),
+        ], name="mlp")  # 161 parameters: shards of 81 (2 replicas) or 41 (4), the last one padded
+        model.compile(optimizer=optimizer() if optimizer else keras.optimizers.Adam(0.01, name="adam"), loss="mse")
+    return model
+
+
+@functools.cache
+def plain_twin():
+    """The job's model built and trained in plain Keras, on one device (this process's)."""
+    model = build(scope=contextlib.nullcontext)
+    model.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
     return model
 
 
@@ -52,8 +63,10 @@ for tag, stage, offload, ref in runs:
 
     # 1. 20 Adam steps with a backup and a checkpoint per epoch; every worker saves.
     a = build()
+    record["twin"] = twins.serialization_differences(a.optimizer)
     a.fit(data, epochs=2, verbose=0, callbacks=[tfdist.training.BackupAndRestore(backup, delete_on_success=False),
                                                 tfdist.training.ModelCheckpoint(os.path.join(out, f"{tag}.keras"))])
+    record["twin"] += twins.differences(a, plain_twin())  # the same model in plain Keras
     record["w20"], record["slots"] = flat(a), state(a)
     tfdist.training.save_model(a, os.path.join(out, f"{tag}-saved.keras"))
     engine = tfdist.zero.engine_of(a.optimizer)
