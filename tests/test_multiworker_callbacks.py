@@ -87,28 +87,51 @@ def test_backup_restores_model_optimizer_and_epoch(tmp_path, monkeypatch):
     assert int(resumed.optimizer.iterations.numpy()) == 12
 
 
-def test_a_chief_killed_while_removing_a_finished_backup_leaves_nothing_to_restore(tmp_path, monkeypatch):
-    """The backup is renamed before it is removed: a removal cut short (here: the first file removed, then the
-    process 'killed') leaves no backup a rerun would restore half of, and the rerun clears what was left."""
+@pytest.mark.parametrize("killed", ["before-marking", "while-removing"])
+def test_a_chief_killed_while_removing_a_finished_backup_leaves_it_whole_or_never_restored(tmp_path, monkeypatch,
+                                                                                            killed):
+    """The backup is renamed, then marked incomplete, then removed. A chief killed before the mark leaves the
+    finished backup whole: the rerun resumes from it (nothing to train) and removes it. Killed after (here: one
+    more file removed, then the process 'killed'), it leaves no backup a rerun would restore half of, and the
+    rerun starts afresh and clears what was left."""
     import shutil
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     x, y = np.zeros((32, 4), "float32"), np.zeros((32, 1), "float32")
     backup = BackupAndRestore(str(tmp_path / "b"))
-    stock_rmtree = shutil.rmtree
+    stock_rmtree, stock_remove = shutil.rmtree, os.remove
 
-    def killed_midway(path, ignore_errors=False, onerror=None):
+    def killed_midway(path, *args, **kwargs):
         if ".deleted-" not in str(path):  # the backups' own rotation, as usual
-            return stock_rmtree(path, ignore_errors=ignore_errors, onerror=onerror)
-        os.remove(os.path.join(path, "epoch-2", "state.weights.h5"))
+            return stock_rmtree(path, *args, **kwargs)
+        stock_remove(os.path.join(path, "epoch-2", "state.weights.h5"))
         raise KeyboardInterrupt  # the chief is gone before the rest is removed
 
-    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    def killed_before_marking(path, *args, **kwargs):
+        if ".deleted-" in str(path):
+            raise KeyboardInterrupt
+        return stock_remove(path, *args, **kwargs)
+
+    if killed == "while-removing":
+        monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    else:
+        monkeypatch.setattr(os, "remove", killed_before_marking)
+    trained = _model()
     with pytest.raises(KeyboardInterrupt):
-        _model().fit(x, y, epochs=2, verbose=0, callbacks=[backup])
+        trained.fit(x, y, epochs=2, verbose=0, callbacks=[backup])
     monkeypatch.setattr(shutil, "rmtree", stock_rmtree)
-    assert backup.latest() is None and [p.name for p in tmp_path.iterdir()] == [f"b.deleted-{os.getpid()}"]
-    _model().fit(x, y, epochs=1, verbose=0, callbacks=[BackupAndRestore(str(tmp_path / "b"))])  # starts afresh
+    monkeypatch.setattr(os, "remove", stock_remove)
+    assert [p.name for p in tmp_path.iterdir()] == [f"b.deleted-{os.getpid()}"]
+    whole = (2, str(tmp_path / f"b.deleted-{os.getpid()}" / "epoch-2"))
+    assert backup.latest() == (whole if killed == "before-marking" else None)
+    rerun, again = _model(seed=1), BackupAndRestore(str(tmp_path / "b"))
+    rerun.fit(x, y, epochs=2, verbose=0, callbacks=[again])
+    if killed == "before-marking":
+        assert again.restored_epoch == 2 and int(rerun.optimizer.iterations.numpy()) == 2  # nothing trained
+        for a, b in zip(trained.get_weights(), rerun.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+    else:
+        assert again.restored_epoch is None  # starts afresh
     assert list(tmp_path.iterdir()) == []
 
 

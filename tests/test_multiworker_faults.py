@@ -53,9 +53,10 @@ TRAIN = textwrap.dedent('''
     ran = []
 
     # Faults the backup life-cycle test injects: FAULTS = "point:rank:round,...", each killing that rank in that
-    # round of the launcher (TFDIST_RESTART_COUNT) at that point: "write" (the chief's backup of epoch 3 is
-    # written but not yet renamed), "restore" (inside the restore), "end" (3 s into on_train_end, after the
-    # other ranks have finished fit).
+    # round of the launcher (TFDIST_RESTART_COUNT) at that point: "write" (the chief: its backup of epoch 3 is
+    # written but not yet renamed; another rank: at the end of epoch 3, as the chief writes), "restore" (inside
+    # the restore), "end" (3 s into on_train_end, after the other ranks have finished fit), "delete" (the chief,
+    # as it removes the finished backup: renamed, not yet marked incomplete).
     round_ = int(os.environ.get("TFDIST_RESTART_COUNT", "0"))
     faults = {point for point, r, k in (f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f)
               if int(r) == rank and int(k) == round_}
@@ -64,12 +65,15 @@ TRAIN = textwrap.dedent('''
         print("KILLED", rank, "in round", round_, flush=True)
         os.kill(os.getpid(), 9)
 
-    if "write" in faults:
+    if "write" in faults and rank == 0:
         rename = os.rename
         os.rename = lambda src, dst: die() if os.path.basename(src).startswith(".tmp-epoch-3") else rename(src, dst)
     if "restore" in faults:
         load = model.load_weights
         object.__setattr__(model, "load_weights", lambda *a, **k: die())
+    if "delete" in faults:
+        remove = os.remove
+        os.remove = lambda path: die() if ".deleted-" in path else remove(path)
     seen = {"before": sorted(os.listdir(backup_dir)) if os.path.isdir(backup_dir) else []}
 
     class Seen(keras.callbacks.Callback):
@@ -77,8 +81,12 @@ TRAIN = textwrap.dedent('''
             seen["after_restore"] = sorted(os.listdir(backup_dir)) if os.path.isdir(backup_dir) else []
             print("SEEN", rank, round_, seen, flush=True)
 
-    class EndFault(keras.callbacks.Callback):
-        def on_train_end(self, logs=None):  # before the backup's: callbacks run in list order
+    class Faults(keras.callbacks.Callback):  # before the backup: callbacks run in list order
+        def on_epoch_end(self, epoch, logs=None):
+            if "write" in faults and rank != 0 and epoch == 2:
+                die()
+
+        def on_train_end(self, logs=None):
             if "end" in faults:
                 import time
                 time.sleep(3)
@@ -89,7 +97,7 @@ TRAIN = textwrap.dedent('''
             ran.append(epoch)
             print("EPOCH_END", epoch, flush=True)
 
-    model.fit(train, epochs=epochs, verbose=0, callbacks=[order, EndFault(), backup, Seen(), Log()])
+    model.fit(train, epochs=epochs, verbose=0, callbacks=[order, Faults(), backup, Seen(), Log()])
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
     np.save(os.path.join(out, f"weights-rank{rank}.npy"), weights)
     print("RESULT", {"restored": backup.restored_epoch, "ran": ran}, flush=True)
@@ -177,30 +185,45 @@ def test_kill_a_worker_then_resume_to_identical_weights(tmp_path, uninterrupted)
 
 
 def test_no_completed_work_is_lost_at_any_point_of_the_backup_life_cycle(tmp_path, uninterrupted):
-    """One launch, four rounds of the launcher (max_restarts=3), a kill in each of the first three:
-    round 0: the chief, with epoch 3's backup written but not yet in place; round 1: worker 1, inside its restore;
-    round 2: worker 1 after every rank has finished fit (the chief is already in its on_train_end).
-    Each restart resumes from the last complete backup (epoch 2, epoch 2, the last epoch), the partial copy is
-    gone once training starts again, the last round trains nothing, and the weights are the uninterrupted run's."""
+    """One launch, eight rounds of the launcher (max_restarts=7), each rank killed at each point of the backup's
+    life cycle, one kill per round but the last:
+    0: the chief, epoch 3's backup written but not yet in place;  1: worker 1, inside its restore;
+    2: the chief, inside its restore;  3: worker 1 at the end of epoch 3, as the chief writes its backup;
+    4: worker 1 after every rank has finished fit (the chief waits in its on_train_end);
+    5: the chief after every rank has finished fit;  6: the chief while removing the finished backup.
+    Each restart resumes from the last complete backup, partial copies are gone once training starts again, the
+    rounds after the last epoch train nothing, and the weights are the uninterrupted run's."""
     script, reference = uninterrupted
     run, backup = tmp_path / "run", tmp_path / "backup"
     run.mkdir()
     out = io.StringIO()
-    rc = launch([sys.executable, str(script), str(run), str(backup), str(EPOCHS)], 2, out=out, timeout_s=300,
-                max_restarts=3, env={"TF_CPP_MIN_LOG_LEVEL": "2", "FAULTS": "write:0:0,restore:1:1,end:1:2"})
+    faults = "write:0:0,restore:1:1,restore:0:2,write:1:3,end:1:4,end:0:5,delete:0:6"
+    rc = launch([sys.executable, str(script), str(run), str(backup), str(EPOCHS)], 2, out=out, timeout_s=480,
+                max_restarts=7, env={"TF_CPP_MIN_LOG_LEVEL": "2", "FAULTS": faults})
     log = out.getvalue()
     assert rc == 0, log[-4000:]
     killed = [line.split("KILLED", 1)[1].strip() for line in log.splitlines() if "KILLED" in line]
-    assert killed == ["0 in round 0", "1 in round 1", "1 in round 2"], log[-4000:]
+    assert killed == [f"{rank} in round {round_}" for _, rank, round_ in (f.split(":") for f in faults.split(","))], \
+        log[-4000:]
     seen = {(int(r), int(k)): eval(rest) for r, k, rest in (  # what rank r found in round k
         line.split("SEEN", 1)[1].split(None, 2) for line in log.splitlines() if "SEEN" in line)}
+    resumed = [int(line.rsplit("resuming at epoch", 1)[1]) - 1 for line in log.splitlines() if "resuming at" in line]
     partial = [name for name in seen[0, 1]["before"] if name.startswith(".tmp-epoch-3-")]
     assert seen[0, 1]["before"] == [*partial, "epoch-2"] and len(partial) == 1, seen  # the chief died mid-write
     assert seen[0, 1]["after_restore"] == ["epoch-2"], seen  # removed when training starts again
-    assert seen[0, 3]["before"] == [f"epoch-{EPOCHS}"], seen  # round 2's chief finished but deleted nothing
+    # Round 3's chief wrote epoch 3's backup as worker 1 died: in place, or cut short by the launcher's stop.
+    written = seen[0, 4]["after_restore"]
+    assert written in (["epoch-2"], ["epoch-3"]), seen
+    at = int(written[0].split("-")[1])
+    # Rounds 1 and 3-7 resume (round 2's chief died inside its restore): round 4 at the backup round 3 left,
+    # 5-7 after the last epoch, whose backup rounds 4 and 5 kept and round 6's chief left whole while removing it.
+    assert resumed == [2, 2, at, EPOCHS, EPOCHS, EPOCHS], (resumed, log[-4000:])
+    assert seen[0, 5]["before"] == seen[0, 6]["before"] == [f"epoch-{EPOCHS}"], seen
+    restored_from = [line for line in log.splitlines() if "tfdist: restored" in line]
+    assert seen[0, 7]["before"] == [] and "backup.deleted-" in restored_from[-1], restored_from
     last = [eval(line.split("RESULT", 1)[1]) for line in log.splitlines() if "RESULT" in line]
-    assert last[-2:] == [{"restored": EPOCHS, "ran": []}] * 2, log[-4000:]  # round 3: nothing left to train
-    assert not backup.exists()  # deleted once every rank had finished
+    assert last[-2:] == [{"restored": EPOCHS, "ran": []}] * 2, log[-4000:]  # round 7: nothing left to train
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the backup deleted once every rank had finished
     for rank in (0, 1):
         assert np.abs(np.load(run / f"weights-rank{rank}.npy") - reference).max() <= 1e-6
 

@@ -32,7 +32,9 @@ class BackupAndRestore(keras.callbacks.Callback):
       saving leaves the previous backup intact (its partial copy is removed when training starts again);
     - with `delete_on_success`, the backup goes only once every rank has finished `fit`: a rank lost
       after the chief is done makes the restarted job resume from it instead of starting over; it is
-      renamed before it is removed, so a chief killed while removing it leaves no half-deleted backup;
+      renamed and marked incomplete before anything else is removed, so a chief killed while removing it
+      leaves either the whole finished backup (the rerun resumes from it and trains nothing) or one no
+      rerun restores (cleared at the next start);
     - after a restore `fit` continues at the first unfinished epoch: no epoch lost or repeated;
     - under `ParameterServerStrategy` a backup is a `tf.train.Checkpoint`, each server writing its own
       shards, so `backup_dir` must be writable by every server too (elsewhere, the chief's `.weights.h5`).
@@ -68,12 +70,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         return is_chief(strategy)
 
     def latest(self) -> tuple[int, str] | None:
-        """(epochs done, path) of the newest complete backup, or None."""
-        if not os.path.isdir(self.backup_dir):
+        """(epochs done, path) of the newest complete backup, or None.
+
+        A finished run's backup that its chief was killed while removing (`backup_dir.deleted-PID`, not yet
+        marked incomplete) counts too: every rank had finished, and the rerun resumes from it."""
+        found = [(int(m.group(1)), folder == self.backup_dir, os.path.join(folder, name))
+                 for folder in (self.backup_dir, *self._being_removed())
+                 for name in _listdir(folder) if (m := _BACKUP.match(name))]
+        complete = [backup for backup in found if os.path.exists(os.path.join(backup[2], _COMPLETE))]
+        if not complete:
             return None
-        found = [(int(m.group(1)), os.path.join(self.backup_dir, name))
-                 for name in os.listdir(self.backup_dir) if (m := _BACKUP.match(name))]
-        return max(found) if found else None
+        epochs, _, path = max(complete)  # the newest; on a tie, the one in backup_dir
+        return epochs, path
 
     def on_train_begin(self, logs=None):
         self.restored_epoch = None
@@ -114,7 +122,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             _checkpoint(self.model).write(os.path.join(tmp, _CHECKPOINT))
         else:
             self.model.save_weights(os.path.join(tmp, "state.weights.h5"))  # model + optimizer variables
-        with open(os.path.join(tmp, "state.json"), "w") as f:
+        with open(os.path.join(tmp, _COMPLETE), "w") as f:
             json.dump({"epochs_done": epoch + 1, "logs": {k: float(v) for k, v in (logs or {}).items()}}, f)
         final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}")
         shutil.rmtree(final, ignore_errors=True)
@@ -132,27 +140,56 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Only once every rank has finished: a rank that fails after the chief is done restarts the job, which
         # must find the last backup, not start over. A lost rank fails this collective, and nothing is deleted.
         all_ranks_finished(self._strategy or self.model.distribute_strategy)
-        if self._chief() and os.path.isdir(self.backup_dir):
-            # Renamed first (atomic), then removed: a chief killed while removing leaves no half-deleted backup
-            # that a later run would try to restore, only a `.deleted-PID` sibling, removed at the next start.
-            doomed = f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}"
-            try:
-                os.rename(self.backup_dir, doomed)
-            except OSError:  # e.g. a mount point, or no write access to its parent: removed where it is
-                doomed = self.backup_dir
-            shutil.rmtree(doomed, ignore_errors=True)
+        if not self._chief():
+            return
+        leftovers = self._being_removed()  # e.g. the finished backup this run resumed from: it goes too
+        if os.path.isdir(self.backup_dir):
+            _remove(self.backup_dir, f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}")
+        for leftover in leftovers:
+            _remove(leftover, leftover)
+
+    def _being_removed(self) -> list[str]:
+        """`backup_dir.deleted-PID` siblings: finished runs' backups whose chief was killed while removing them."""
+        parent, base = os.path.split(os.path.normpath(self.backup_dir))
+        return [os.path.join(parent, name) for name in _listdir(parent or ".")
+                if re.fullmatch(re.escape(base) + r"\.deleted-\d+", name)]
 
     def _remove_partial(self) -> None:
-        if os.path.isdir(self.backup_dir):
-            for name in os.listdir(self.backup_dir):
-                if _PARTIAL.match(name):
-                    shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
-        parent, base = os.path.split(os.path.normpath(self.backup_dir))
-        parent = parent or "."
-        leftovers = os.listdir(parent) if os.path.isdir(parent) else []
-        for name in leftovers:  # what a chief killed while removing a finished run's backup left
-            if re.fullmatch(re.escape(base) + r"\.deleted-\d+", name):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        """What a chief killed while writing a backup, or while removing one, left behind (every rank reads
+        backups only once they are complete, so the chief may remove the rest before they look)."""
+        for name in _listdir(self.backup_dir):
+            if _PARTIAL.match(name):
+                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+        for folder in self._being_removed():
+            if not any(os.path.exists(os.path.join(folder, name, _COMPLETE))
+                       for name in _listdir(folder) if _BACKUP.match(name)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+_COMPLETE = "state.json"  # written last into a backup, removed first from one being deleted
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):  # none yet, or a leftover the chief has just removed
+        return []
+
+
+def _remove(folder: str, doomed: str) -> None:
+    """Removes a backup folder so that a kill at any moment leaves it either whole or never restored: renamed
+    first (atomic), then each backup marked incomplete, then the rest removed."""
+    if folder != doomed:
+        try:
+            os.rename(folder, doomed)
+            folder = doomed
+        except OSError:  # e.g. a mount point, or no write access to its parent: removed where it is
+            pass
+    for name in _listdir(folder):
+        marker = os.path.join(folder, name, _COMPLETE)
+        if os.path.exists(marker):
+            os.remove(marker)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 _CHECKPOINT = "state"  # the tf.train.Checkpoint prefix of a backup made under parameter servers
