@@ -124,15 +124,49 @@ def test_a_chief_killed_while_removing_a_finished_backup_leaves_it_whole_or_neve
     assert [p.name for p in tmp_path.iterdir()] == [f"b.deleted-{os.getpid()}"]
     whole = (2, str(tmp_path / f"b.deleted-{os.getpid()}" / "epoch-2"))
     assert backup.latest() == (whole if killed == "before-marking" else None)
-    rerun, again = _model(seed=1), BackupAndRestore(str(tmp_path / "b"))
-    rerun.fit(x, y, epochs=2, verbose=0, callbacks=[again])
+    rerun, again, ran = _model(seed=1), BackupAndRestore(str(tmp_path / "b")), []
+    rerun.fit(x, y, epochs=2, verbose=0,
+              callbacks=[again, keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: ran.append(epoch))])
     if killed == "before-marking":
-        assert again.restored_epoch == 2 and int(rerun.optimizer.iterations.numpy()) == 2  # nothing trained
+        assert again.restored_epoch == 2 and ran == []  # nothing left to train
         for a, b in zip(trained.get_weights(), rerun.get_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
     else:
-        assert again.restored_epoch is None  # starts afresh
+        assert again.restored_epoch is None and ran == [0, 1]  # starts afresh
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_removal_cut_short_between_two_marks_leaves_the_newest_backup(tmp_path, monkeypatch):
+    """A finished run that had resumed from an older run's finished backup removes both: marked oldest first, so a
+    kill between the marks leaves the newest restorable, never the older one. A backup without its weights file
+    (half-removed by an older tfdist) is not complete."""
+    from tfdist.training import backup as backup_module
+
+    def make(folder, epoch, payload=True):
+        path = tmp_path / folder / f"epoch-{epoch}"
+        path.mkdir(parents=True)
+        (path / "state.json").write_text("{}")
+        if payload:
+            (path / "state.weights.h5").write_bytes(b"w")
+
+    make("b", 8)
+    make("b.deleted-1", 6)
+    make("b.deleted-2", 9, payload=False)
+    backup = BackupAndRestore(str(tmp_path / "b"))
+    assert backup.latest() == (8, str(tmp_path / "b" / "epoch-8"))
+    stock_remove, removed = os.remove, []
+
+    def killed_after_one(path):
+        if removed:
+            raise KeyboardInterrupt
+        removed.append(path)
+        stock_remove(path)
+
+    monkeypatch.setattr(os, "remove", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        backup_module._remove([str(tmp_path / "b"), str(tmp_path / "b.deleted-1")])
+    assert removed == [str(tmp_path / "b.deleted-1" / "epoch-6" / "state.json")]
+    assert backup.latest() == (8, str(tmp_path / "b" / "epoch-8"))
 
 
 def test_an_empty_backup_dir_is_a_config_error():

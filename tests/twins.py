@@ -57,9 +57,11 @@ def _describe(mine, theirs, where: str = "") -> str:
     if isinstance(mine, set) and isinstance(theirs, set):
         return f"only under the strategy {sorted(mine - theirs)}, only in plain Keras {sorted(theirs - mine)}"
     if isinstance(mine, dict) and isinstance(theirs, dict) and mine.keys() == theirs.keys():
-        key = next(k for k in mine if mine[k] != theirs[k])
-        return _describe(mine[key], theirs[key], f"{where}[{key!r}]")
+        key = next((k for k in mine if mine[k] != theirs[k]), None)
+        if key is not None:
+            return _describe(mine[key], theirs[key], f"{where}[{key!r}]")
     if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)) and len(mine) == len(theirs):
-        i = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
-        return _describe(mine[i], theirs[i], f"{where}[{i}]")
+        i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if i is not None:  # (None: equal items in a list and a tuple)
+            return _describe(mine[i], theirs[i], f"{where}[{i}]")
     return f"{where or 'the value'}: under the strategy {mine!r}, in plain Keras {theirs!r}"[:2000]

@@ -77,7 +77,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         found = [(int(m.group(1)), folder == self.backup_dir, os.path.join(folder, name))
                  for folder in (self.backup_dir, *self._being_removed())
                  for name in _listdir(folder) if (m := _BACKUP.match(name))]
-        complete = [backup for backup in found if os.path.exists(os.path.join(backup[2], _COMPLETE))]
+        complete = [backup for backup in found if _complete(backup[2])]
         if not complete:
             return None
         epochs, _, path = max(complete)  # the newest; on a tie, the one in backup_dir
@@ -125,28 +125,39 @@ class BackupAndRestore(keras.callbacks.Callback):
         with open(os.path.join(tmp, _COMPLETE), "w") as f:
             json.dump({"epochs_done": epoch + 1, "logs": {k: float(v) for k, v in (logs or {}).items()}}, f)
         final = os.path.join(self.backup_dir, f"epoch-{epoch + 1}")
-        shutil.rmtree(final, ignore_errors=True)
+        _remove_backup(final)
         os.rename(tmp, final)
         for name in os.listdir(self.backup_dir):  # keep only the newest backup
             m = _BACKUP.match(name)
             # Only the chief writes, one backup at a time: another temporary directory is what a chief
             # killed while writing left behind (its process is gone; ours has just been renamed).
-            if (m and int(m.group(1)) < epoch + 1) or _PARTIAL.match(name):
+            if m and int(m.group(1)) < epoch + 1:
+                _remove_backup(os.path.join(self.backup_dir, name))
+            elif _PARTIAL.match(name):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
+        # A finished run's backup this run resumed from is older than this one; every rank has long restored.
+        _remove(self._being_removed())
 
     def on_train_end(self, logs=None):
         if not self.delete_on_success:
             return
         # Only once every rank has finished: a rank that fails after the chief is done restarts the job, which
         # must find the last backup, not start over. A lost rank fails this collective, and nothing is deleted.
-        all_ranks_finished(self._strategy or self.model.distribute_strategy)
-        if not self._chief():
-            return
-        leftovers = self._being_removed()  # e.g. the finished backup this run resumed from: it goes too
-        if os.path.isdir(self.backup_dir):
-            _remove(self.backup_dir, f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}")
-        for leftover in leftovers:
-            _remove(leftover, leftover)
+        strategy = self._strategy or self.model.distribute_strategy
+        all_ranks_finished(strategy)
+        if self._chief():
+            folders = self._being_removed()  # e.g. the finished backup this run resumed from: it goes too
+            if os.path.isdir(self.backup_dir):
+                doomed = f"{os.path.normpath(self.backup_dir)}.deleted-{os.getpid()}"
+                try:  # renamed first (atomic), so no rerun finds a backup_dir being emptied
+                    os.rename(self.backup_dir, doomed)
+                except OSError:  # e.g. a mount point, or no write access to its parent: removed where it is
+                    doomed = self.backup_dir
+                folders.append(doomed)
+            _remove(folders)
+        # Once more after the removal: a rank that called fit again at once would otherwise find a backup the
+        # chief is removing, and start at another epoch than the chief.
+        all_ranks_finished(strategy)
 
     def _being_removed(self) -> list[str]:
         """`backup_dir.deleted-PID` siblings: finished runs' backups whose chief was killed while removing them."""
@@ -161,35 +172,45 @@ class BackupAndRestore(keras.callbacks.Callback):
             if _PARTIAL.match(name):
                 shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
         for folder in self._being_removed():
-            if not any(os.path.exists(os.path.join(folder, name, _COMPLETE))
-                       for name in _listdir(folder) if _BACKUP.match(name)):
+            if not any(_complete(os.path.join(folder, name)) for name in _listdir(folder) if _BACKUP.match(name)):
                 shutil.rmtree(folder, ignore_errors=True)
 
 
 _COMPLETE = "state.json"  # written last into a backup, removed first from one being deleted
+_PAYLOADS = ("state.weights.h5", "state.index")  # what a backup holds: Keras weights, or a tf.train.Checkpoint
+
+
+def _complete(backup: str) -> bool:
+    return os.path.exists(os.path.join(backup, _COMPLETE)) and any(
+        os.path.exists(os.path.join(backup, payload)) for payload in _PAYLOADS)
 
 
 def _listdir(folder: str) -> list[str]:
     try:
         return os.listdir(folder)
-    except (FileNotFoundError, NotADirectoryError):  # none yet, or a leftover the chief has just removed
+    except OSError:  # none yet, a leftover the chief has just removed, or a folder this process cannot read
         return []
 
 
-def _remove(folder: str, doomed: str) -> None:
-    """Removes a backup folder so that a kill at any moment leaves it either whole or never restored: renamed
-    first (atomic), then each backup marked incomplete, then the rest removed."""
-    if folder != doomed:
-        try:
-            os.rename(folder, doomed)
-            folder = doomed
-        except OSError:  # e.g. a mount point, or no write access to its parent: removed where it is
-            pass
-    for name in _listdir(folder):
-        marker = os.path.join(folder, name, _COMPLETE)
+def _remove_backup(backup: str) -> None:
+    """One backup, marked incomplete before anything else goes: a kill midway leaves nothing restorable."""
+    marker = os.path.join(backup, _COMPLETE)
+    if os.path.exists(marker):
+        os.remove(marker)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def _remove(folders: list[str]) -> None:
+    """Removes backup folders so that a kill at any moment leaves the newest backup whole or nothing restorable:
+    every backup is marked incomplete oldest first (the newest last), then the folders go."""
+    backups = [(int(m.group(1)), os.path.join(folder, name))
+               for folder in folders for name in _listdir(folder) if (m := _BACKUP.match(name))]
+    for _, backup in sorted(backups):
+        marker = os.path.join(backup, _COMPLETE)
         if os.path.exists(marker):
             os.remove(marker)
-    shutil.rmtree(folder, ignore_errors=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 _CHECKPOINT = "state"  # the tf.train.Checkpoint prefix of a backup made under parameter servers
