@@ -76,6 +76,16 @@ def test_stage3_equals_stage0_within_1e4(job):
 
 
 @pytest.mark.slow
+def test_an_embedding_with_adam_at_stage3_equals_stage0(job):
+    """Lookups repeating within and across processes (the job's `lookups`): stage 3 hands Adam the slices of each
+    piece, as stage 0 (stock's all-gathered slices) does."""
+    backend, _, records, _ = job
+    for r in (0, 1):
+        np.testing.assert_allclose(flat(records[3, r]["lookups"]), flat(records[0, 0]["lookups"]), rtol=1e-6,
+                                   atol=1e-6, err_msg=f"{backend} rank {r}")
+
+
+@pytest.mark.slow
 def test_trainable_weights_are_identical_on_both_processes(job):
     _, _, records, _ = job
     for kind in KINDS:

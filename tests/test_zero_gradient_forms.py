@@ -223,3 +223,67 @@ def test_gradients_zero_cannot_take_are_config_errors():
     with pytest.raises(ConfigError, match=r"the gradient of .*w has shape \(12,\): pass the variable's shape "
                                           r"\(6, 2\) or its piece's \(3,\)"):
         strategy.run(tf.function(lambda: opt.apply_gradients([(tf.ones(12), owner.w)])))
+
+
+# --- Lookups (IndexedSlices) with optimizers that are not linear in the gradient --------------------------------
+# Keras on TensorFlow squares each looked-up row's slice separately (Adam's second moment of a row looked up k times
+# gets k squares), and stock tf.distribute all-gathers the replicas' slices: ZeRO must hand its update the same.
+
+def lookups(replica):
+    """Replica r looks up rows 1 and 4, then row r % 3 r + 1 times: counts differ between replicas (a collective
+    gathers them padded), rows repeat within a replica and across replicas."""
+    rows = tf.concat([tf.constant(ROWS), tf.repeat(tf.cast(replica, tf.int32) % 3, tf.cast(replica, tf.int32) + 1)], 0)
+    count = tf.shape(rows)[0]
+    values = (replica + 1.0) * (1.0 + tf.reshape(tf.range(count * 3, dtype=tf.float32), [count, 3]) / 10)
+    return tf.IndexedSlices(values, rows, tf.constant([10, 3]))
+
+
+def adam():
+    return keras.optimizers.Adam(0.1, use_ema=True, ema_overwrite_frequency=3, weight_decay=0.1, clipvalue=4.0)
+
+
+def one_device_adam(densified: bool) -> list[np.ndarray]:
+    """One device given what stock's all-reduce gives it: the replicas' slices concatenated (or, `densified`, their
+    dense sum: what ZeRO used to apply)."""
+    w, e, u = variables()
+    opt = adam()
+    opt.build([w, e, u])
+    every = [lookups(tf.constant(float(r))) for r in range(REPLICAS)]
+    slices = tf.IndexedSlices(tf.concat([s.values for s in every], 0), tf.concat([s.indices for s in every], 0),
+                              tf.constant([10, 3]))
+    for _ in range(STEPS):
+        opt.apply_gradients([(tf.constant(G * sum(range(1, REPLICAS + 1))), w),
+                             (tf.convert_to_tensor(slices) if densified else slices, e)])
+    opt.finalize_variable_values([w, e, u])
+    return [v.numpy() for v in (w, e, u)]
+
+
+def test_lookups_reach_adam_as_stock_hands_them_at_every_stage():
+    """A custom loop's IndexedSlices (counts differing per replica) under Adam with EMA, weight decay and clipvalue:
+    stages 1, 2 and 3 equal one device given the concatenated slices, which differs from the dense sum's result."""
+    expected = one_device_adam(densified=False)
+    assert np.abs(expected[1] - one_device_adam(densified=True)[1]).max() > 1e-2  # the test tells the two apart
+    for stage in (1, 2, 3):
+        strategy = tfdist.MirroredStrategy(zero_stage=stage)
+        with strategy.scope():
+            owner = Owner()
+            model = keras.Sequential([keras.Input((1,)), owner])
+            opt = adam()
+            opt.build(model.trainable_variables)
+        weights = (owner.w, owner.embedding, owner.unused)
+
+        @tf.function
+        def step():
+            def replica_step():
+                replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+                opt.apply_gradients([(tf.constant(G) * (replica + 1.0), weights[0]), (lookups(replica), weights[1])])
+
+            strategy.run(replica_step)
+
+        for _ in range(STEPS):
+            step()
+        with strategy.scope():
+            opt.finalize_variable_values(list(weights))
+        assert tfdist.zero.engine_of(opt).stage == stage
+        for name, mine, theirs in zip(("w", "embedding", "unused"), weights, expected, strict=True):
+            np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-6, atol=1e-6, err_msg=f"stage {stage}: {name}")

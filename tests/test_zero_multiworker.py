@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+import lookups
 import numpy as np
 import pytest
 
@@ -141,6 +142,20 @@ def test_adamw_schedule_and_mixed_precision_match_stage0(runs):
         print(f"\n{topo} AdamW + schedule + mixed_float16: ZeRO-2 vs stage 0 max relative difference {diff:.2e}")
         assert diff <= 1e-4, topo
         assert not np.allclose(s0["w_adamw_mixed"], s0["w30"])  # a different run really trained
+
+
+@pytest.mark.slow
+def test_lookups_with_adam_across_workers_equal_stage0(runs):
+    """Section 7 of the job: IndexedSlices of a different length on every replica, Adam; stages 0, 1 and 2 give what
+    one device given every replica's slices (stock tf.distribute's all-gather) gives; a dense sum would differ."""
+    _, data, _, _ = runs
+    for topo, replicas in (("2x1", 2), ("2x2", 4)):
+        s0 = lookups.one_device(replicas)
+        assert np.abs(s0 - lookups.one_device(replicas, densified=True)).max() > 1e-2
+        for stage in (0, 1, 2):
+            for rank in (0, 1):
+                np.testing.assert_allclose(data[f"{topo}-s{stage}", rank]["w_lookups"], s0, rtol=1e-6, atol=1e-6,
+                                           err_msg=f"{topo} stage {stage} rank {rank}")
 
 
 @pytest.mark.slow

@@ -101,10 +101,30 @@ def run(strategy, stage: int, kind: str, rank: int) -> dict:
     return rec
 
 
+ids = rng.integers(0, 5, size=(64, 6)).astype("int32")  # tokens repeat within and across replicas
+lookup_data = tf.data.Dataset.from_tensor_slices((ids, y[:64])).batch(32).with_options(options)  # 2 steps
+
+
+def lookups(strategy) -> list:
+    """An Embedding under Adam: a stage-3 unit's backward all-gathers the lookups' slices across the processes, and
+    the update takes those of its piece, as stock hands Keras the slices."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                                  keras.layers.Embedding(12, 4, embeddings_initializer=keras.initializers.RandomNormal(
+                                      seed=4), name="emb"),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(5),
+                                                     name="out")], name="lookup")
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    model.fit(lookup_data, epochs=1, verbose=0)
+    return weights(model)
+
+
 for stage in stages:
     strategy = first_strategy if stage == stages[0] else make(stage)  # (mw: one stage per process)
     rank = tfdist.cluster.rank(strategy)
     record = {kind: run(strategy, stage, kind, rank) for kind in ("tied", "bn")}
+    record["lookups"] = lookups(strategy)
     with open(os.path.join(out, f"{backend}-s{stage}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
     print(f"JOB DONE {backend} stage {stage} rank {rank}", flush=True)

@@ -17,6 +17,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
+import lookups  # noqa: E402
 import twins  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -72,6 +73,7 @@ def main() -> int:
         info: dict = {"replicas": strategy.num_replicas_in_sync, "iterations": int(model.optimizer.iterations.numpy()),
                       "memory": strategy.memory_report(model).to_dict(),
                       "twin": twin + twins.differences(model, plain_twin())}
+        info["w_lookups"] = lookups.train_lookups(strategy).tolist()  # slices of unequal length per rank
         engine = tfdist.zero.engine_of(model.optimizer)
         if engine is not None:
             info["shard_ids"] = list(engine.comm.shard_ids)

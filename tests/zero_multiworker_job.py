@@ -6,6 +6,7 @@ comma-separated list of TAG:STAGE:OFFLOAD:REF (REF: the tag whose stage-0 checkp
 """
 import contextlib, functools, glob, json, os, shutil, sys, tempfile
 import numpy as np
+import lookups
 import twins
 out = sys.argv[1]
 runs = [(tag, int(stage), offload == "1", ref) for tag, stage, offload, ref in
@@ -122,6 +123,9 @@ for tag, stage, offload, ref in runs:
     inner = tfdist.zero.engine_of(mixed.optimizer.inner_optimizer)  # the sharded one
     record["adamw_mixed_optimizer"] = [type(mixed.optimizer).__name__, mixed.layers[0].compute_dtype,
                                        int(mixed.optimizer.iterations.numpy()), inner.stage if inner else 0]
+    # 7. A custom loop's lookups (IndexedSlices, a different count on every replica) under Adam: each replica's
+    # slices reach every owner (a padded all-gather across the workers), as stock's all-reduce of slices gives them.
+    record["w_lookups"] = lookups.train_lookups(strategy)
     # This process's ModelCheckpoint scratch directories (the pid is in their name; a looser pattern also matched
     # other runs' random tfdist-* names that happened to contain these digits).
     record["leftovers"] = glob.glob(os.path.join(tempfile.gettempdir(), f"tfdist-ckpt-rank-{os.getpid()}-*"))

@@ -195,31 +195,47 @@ class HorovodAllReduce(tf_distribute.ProcessCrossDeviceOps):
 
         This is the path of a training step's gradients when each process has one device.
         """
-        dense = [tf.convert_to_tensor(t) for t in tensors]
-        return self._allreduce(dense, reduce_op, local_count=1, compress=True)
+        return self._reduce_local_sums(list(tensors), reduce_op, local_count=1, compress=True)
+
+    def _reduce_local_sums(self, tensors: list, reduce_op, local_count: int, compress: bool) -> list:
+        """`_allreduce` for this process's sums, except lookups (`tf.IndexedSlices`), which are all-gathered as
+        slices (`_allgather_slices`)."""
+        sliced = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices) and self.op != "adasum"]
+        dense = [i for i in range(len(tensors)) if i not in sliced]
+        out = [None] * len(tensors)
+        for i, r in zip(dense, self._allreduce([tf.convert_to_tensor(tensors[i]) for i in dense], reduce_op,
+                                               local_count, compress) if dense else []):
+            out[i] = r
+        for i in sliced:
+            out[i] = self._allgather_slices(tensors[i], reduce_op, local_count)
+        return out
+
+    def _allgather_slices(self, slices: tf.IndexedSlices, reduce_op, local_count: int) -> tf.IndexedSlices:
+        """Every process's slices, concatenated in rank order, as stock tf.distribute all-reduces IndexedSlices (and
+        Horovod's own optimizer without `sparse_as_dense`): Keras' optimizers then square or sum each lookup's
+        slice as they do on one device. Uncompressed; scaled as `_allreduce` scales."""
+        values, indices = slices.values, slices.indices
+        if self.num_processes > 1:
+            values = self._hvd.allgather(tf.identity(values, name="lookup_values"))
+            indices = self._hvd.allgather(tf.identity(indices, name="lookup_indices"))
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            values = values / tf.cast(local_count * self.num_processes, values.dtype)
+        elif self.op == "sum" and self.num_processes > 1:
+            values = values * tf.cast(self._num_replicas, values.dtype)
+        return tf.IndexedSlices(values, indices, slices.dense_shape)
 
     def _reduce(self, reduce_op, value_destination_pairs, compress: bool):
         if not value_destination_pairs:
             return []
-        if any(isinstance(v, tf.IndexedSlices) or any(isinstance(x, tf.IndexedSlices) for x in tf_distribute.local_values(v))
-               for v, _ in value_destination_pairs):
-            # Sparse gradients (embedding lookups) become dense: Horovod's allgather path for
-            # IndexedSlices does not compose with grouped fusion, and the models here are small.
-            value_destination_pairs = [(self._densify(v), d) for v, d in value_destination_pairs]
         first_device = tf_distribute.devices_of(value_destination_pairs[0][1])[0]
         local_counts = {len(tf_distribute.local_values(v)) for v, _ in value_destination_pairs}
         if len(local_counts) != 1:
             raise ConfigError(f"HorovodAllReduce: values have different numbers of local replicas {sorted(local_counts)}.")
         (local_count,) = local_counts
         with tf.device(first_device):
-            local_sums = [tf.math.add_n([tf.identity(x) for x in tf_distribute.local_values(v)]) if local_count > 1
-                          else tf.identity(tf_distribute.local_values(v)[0]) for v, _ in value_destination_pairs]
-            reduced = self._allreduce(local_sums, reduce_op, local_count, compress)
+            local_sums = [_local_sum(tf_distribute.local_values(v)) for v, _ in value_destination_pairs]
+            reduced = self._reduce_local_sums(local_sums, reduce_op, local_count, compress)
         return [self.broadcast(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
-
-    def _densify(self, value):
-        parts = [tf.convert_to_tensor(x) for x in tf_distribute.local_values(value)]
-        return tf_distribute.regroup_per_replica(parts) if len(parts) > 1 else parts[0]
 
     def gather_implementation(self, per_replica_value, destinations, axis):
         parts = tf_distribute.local_values(per_replica_value)
@@ -232,6 +248,16 @@ class HorovodAllReduce(tf_distribute.ProcessCrossDeviceOps):
                 gathered = self._hvd.allgather(tf.transpose(local, perm) if axis else local)
                 local = tf.transpose(gathered, _inverse(perm)) if axis else gathered
         return self.broadcast(local, destinations)
+
+
+def _local_sum(parts: Sequence):
+    """This process's replicas' values summed; lookups (IndexedSlices) concatenated, in replica order."""
+    if any(isinstance(p, tf.IndexedSlices) for p in parts):
+        parts = [p if isinstance(p, tf.IndexedSlices) else tf.IndexedSlices(
+            p, tf.range(tf.shape(p, out_type=tf.int64)[0]), tf.shape(p, out_type=tf.int64)) for p in parts]
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0), parts[0].dense_shape)
+    return tf.math.add_n([tf.identity(p) for p in parts]) if len(parts) > 1 else tf.identity(parts[0])
 
 
 def _axis_first(rank: int, axis: int) -> list[int]:

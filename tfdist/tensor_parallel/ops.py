@@ -171,9 +171,11 @@ def _fill_gradients(grads: list, sources: list, n: int, num_values: int) -> tupl
     out = []
     for k, (g, source) in enumerate(zip(grads, sources)):
         captured = n <= k < num_values
-        variable = k >= num_values  # a variable's sparse gradient (a lookup's) stays sparse, as Keras gives it
+        # A variable's sparse gradient (a lookup's) stays sparse, as Keras gives it; so does a captured ZeRO-3
+        # weight's, which the unit's backward hands the optimizer as slices of its piece.
+        variable = k >= num_values
         out.append(None if g is None and captured else tf.zeros_like(source) if g is None
-                   else g if variable else _dense_gradient(g))
+                   else g if variable or captured else _dense_gradient(g))
     return out[:num_values], out[num_values:]
 
 

@@ -1,6 +1,7 @@
 """ZeRO's gradient clipping, on the global (reduced) gradient: as flat shards (stages 1/2) or per-variable pieces
 (stage 3). Stock Keras clips each replica's local gradient before the all-reduce; here the norms are those of the
-summed gradient: clipnorm per variable, global_clipnorm over all variables, clipvalue element-wise on the sum."""
+summed gradient: clipnorm per variable, global_clipnorm over all variables, clipvalue element-wise on the sum. A
+lookup's slices (`tfdist.zero.sliced_gradients`) are scaled by their variable's factor, or clipped slice by slice."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import tensorflow as tf
 
 from tfdist.zero.collectives import ShardCollectives
 
-__all__ = ["clip_flat_shards", "clip_pieces", "logical_clip_factors", "scale_flat_shards", "scale_pieces"]
+__all__ = ["clip_pieces", "flat_clip_factors", "flat_scale_factors", "logical_clip_factors",
+           "piece_clip_factors", "piece_scale_factors"]
 
 
 def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
@@ -19,7 +21,7 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
     (one small all-reduce). Returns the pieces in the same layout.
 
     Stock Keras clips each replica's local gradient before the all-reduce; ZeRO's norms are those of the
-    summed gradient, as at stages 1 and 2 (`clip_flat_shards`).
+    summed gradient, as at stages 1 and 2 (`flat_clip_factors`).
 
     Example:
         >>> opt = keras.optimizers.SGD(clipnorm=1.0)
@@ -29,10 +31,17 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
     """
     if optimizer.clipvalue:
         return [[tf.clip_by_value(g, -optimizer.clipvalue, optimizer.clipvalue) for g in row] for row in grads]
+    factors = piece_clip_factors(optimizer, comm, grads)
+    return grads if factors is None else [[g * f for g, f in zip(row, fs)] for row, fs in zip(grads, factors)]
+
+
+def piece_clip_factors(optimizer, comm: ShardCollectives, grads: list) -> list | None:
+    """What `clip_pieces` multiplies local replica i's piece of variable j by (`factors[i][j]`, a scalar); None
+    without norm clipping. The engine scales an embedding's slices by the same factors."""
     if optimizer.global_clipnorm:
         limit = optimizer.global_clipnorm
         totals = comm.all_reduce_sum([tf.add_n([tf.reduce_sum(tf.square(g)) for g in row]) for row in grads])
-        return [[g * tf.cast(limit / tf.maximum(tf.sqrt(total), limit), g.dtype) for g in row]
+        return [[tf.cast(limit / tf.maximum(tf.sqrt(total), limit), g.dtype) for g in row]
                 for row, total in zip(grads, totals)]
     if optimizer.clipnorm:
         limit = optimizer.clipnorm
@@ -40,37 +49,30 @@ def clip_pieces(optimizer, comm: ShardCollectives, grads: list) -> list:
         out = []
         for row, total in zip(grads, totals):
             factors = limit / tf.maximum(tf.sqrt(total), limit)
-            out.append([g * tf.cast(factors[j], g.dtype) for j, g in enumerate(row)])
+            out.append([tf.cast(factors[j], g.dtype) for j, g in enumerate(row)])
         return out
-    return grads
+    return None
 
 
-def clip_flat_shards(optimizer, comm: ShardCollectives, layout, shards: list) -> list:
-    """The same on flat shards (stages 1/2): `shards[i]` is local replica i's shard of the concatenated reduced
-    gradient, `layout` the engine's FlatLayout (which variable each element belongs to). A GroupedZeroEngine's
-    groups scale by `logical_clip_factors` instead (norms over all its groups)."""
+def flat_clip_factors(optimizer, comm: ShardCollectives, layout, shards: list) -> list | None:
+    """What the flat shards (stages 1/2) are clipped by: for local replica i's shard of the concatenated reduced
+    gradient (`layout`: the engine's FlatLayout), a scalar (global_clipnorm) or one factor per element of the shard
+    (clipnorm: its variable's); None without norm clipping (clipvalue clips element-wise). A GroupedZeroEngine's
+    groups scale by `logical_clip_factors` instead (norms over all its groups). The engine scales an embedding's
+    slices by the same factors (`tfdist.zero.sliced_gradients`)."""
     opt = optimizer
-    if opt.clipvalue:
-        return [tf.clip_by_value(s, -opt.clipvalue, opt.clipvalue) for s in shards]
     if opt.global_clipnorm:
-        sq = [tf.reduce_sum(tf.square(s)) for s in shards]
-        totals = comm.all_reduce_sum(sq)
-        out = []
-        for s, total in zip(shards, totals):
-            norm = tf.sqrt(total)
-            out.append(s * tf.cast(opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm), s.dtype))
-        return out
+        totals = comm.all_reduce_sum([tf.reduce_sum(tf.square(s)) for s in shards])
+        return [tf.cast(opt.global_clipnorm / tf.maximum(tf.sqrt(total), opt.global_clipnorm), s.dtype)
+                for s, total in zip(shards, totals)]
     if opt.clipnorm:
         nvar = len(layout.sizes)
         seg = [tf.constant(layout.segment_ids(sid)) for sid in comm.shard_ids]
         sq = [tf.math.unsorted_segment_sum(tf.square(s), ids, nvar + 1) for s, ids in zip(shards, seg)]
         totals = comm.all_reduce_sum(sq)
-        out = []
-        for s, total, ids in zip(shards, totals, seg):
-            factor = opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm)
-            out.append(s * tf.gather(tf.cast(factor, s.dtype), ids))
-        return out
-    return shards
+        return [tf.gather(tf.cast(opt.clipnorm / tf.maximum(tf.sqrt(total), opt.clipnorm), s.dtype), ids)
+                for s, total, ids in zip(shards, totals, seg)]
+    return None
 
 
 def logical_clip_factors(optimizer, squares: list, members: list[list[int]], devices: list[list[str]]) -> list:
@@ -108,23 +110,21 @@ def logical_clip_factors(optimizer, squares: list, members: list[list[int]], dev
     return factors
 
 
-def scale_flat_shards(layout, shard_ids: list, devices: list, shards: list, factors: list) -> list:
-    """Flat gradient shards (stages 1/2) times `logical_clip_factors`' factors of their group: a scalar, or one
-    per variable (the padding elements, zero, keep factor 1)."""
+def flat_scale_factors(layout, shard_ids: list, devices: list, dtype, factors: list) -> list:
+    """`logical_clip_factors`' factors of a group, per local replica, as flat shards (stages 1/2) take them: a
+    scalar, or one factor per element of the shard (the padding elements, zero, keep factor 1)."""
     out = []
-    for s, sid, device, f in zip(shards, shard_ids, devices, factors):
+    for sid, device, f in zip(shard_ids, devices, factors):
         with tf.device(device):
-            f = tf.cast(f, s.dtype)
+            f = tf.cast(f, dtype)
             if f.shape.rank:
-                f = tf.gather(tf.concat([f, tf.ones([1], s.dtype)], 0), tf.constant(layout.segment_ids(sid)))
-            out.append(s * f)
+                f = tf.gather(tf.concat([f, tf.ones([1], dtype)], 0), tf.constant(layout.segment_ids(sid)))
+            out.append(f)
     return out
 
 
-def scale_pieces(devices: list, grads: list, factors: list) -> list:
-    """Per-variable gradient pieces (`grads[i][j]`, stage 3) times their group's factors (scalar or per variable)."""
-    out = []
-    for row, device, f in zip(grads, devices, factors):
-        with tf.device(device):
-            out.append([g * tf.cast(f if f.shape.rank == 0 else f[j], g.dtype) for j, g in enumerate(row)])
-    return out
+def piece_scale_factors(grads: list, factors: list) -> list:
+    """`logical_clip_factors`' factors of a group (scalar or per variable, per local replica) as `factors[i][j]`: one
+    scalar for local replica i's gradient piece `grads[i][j]` of variable j (stage 3)."""
+    return [[tf.cast(f if f.shape.rank == 0 else f[j], g.dtype) for j, g in enumerate(row)]
+            for row, f in zip(grads, factors)]

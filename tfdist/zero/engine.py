@@ -12,7 +12,7 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.comm.sum_dtype import check_unscaled_sum, summed_in
 from tfdist.errors import ConfigError
-from tfdist.zero.clipping import clip_flat_shards, scale_flat_shards
+from tfdist.zero.clipping import flat_clip_factors, flat_scale_factors
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.zero.flat_layout import FlatLayout
 from tfdist.zero.optimizer_step import (
@@ -22,6 +22,7 @@ from tfdist.zero.optimizer_step import (
     update_averages,
 )
 from tfdist.zero.owned_slots import SlotShards
+from tfdist.zero.sliced_gradients import gather_slices, rows_of, shard_gradient
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
 __all__ = ["ZeroEngine"]
@@ -200,15 +201,22 @@ class ZeroEngine:
                               f"({[_name(v) for v in variables]}); pass each variable once.")
         by_index = dict(zip(order, grads))
         self.missing = frozenset(range(len(self.variables))) - by_index.keys()
-        # IndexedSlices (an embedding's gradient) as the dense gradient they stand for: the shards are dense.
+        # Lookups stay slices too (`sliced_gradients`), except where Keras itself densifies them: accumulated.
+        self.sliced = () if self.optimizer.gradient_accumulation_steps else tuple(
+            i for i in sorted(by_index) if isinstance(by_index[i], tf.IndexedSlices))
+        # Every gradient dense as well (IndexedSlices summed): the reduce-scatter gives the norms and accumulation.
         return [tf.convert_to_tensor(by_index[i]) if i in by_index
                 else tf.zeros(self.variables[i].shape, self.dtype) for i in range(len(self.variables))]
 
     missing: frozenset = frozenset()  # engine variables without a gradient in the step being traced
+    sliced: tuple = ()  # engine variables whose gradient is IndexedSlices in the step being traced
 
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
-        ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
+        ctx = self._replica_context()
+        # This replica's lookups, taken here (not kept on the engine: every replica's thread traces this at once).
+        slice_rows = self._slice_rows(grads, variables)
+        grads = self._in_variable_order(grads, variables)
         grads = ctx.merge_call(as_per_replica, args=tuple(grads))
         if not self.reduce_scatters:  # exactly stage 0's reduction: bit-identical gradients
             grads = keras_optimizer.keras_all_reduce_sum(self.optimizer, grads,
@@ -217,7 +225,16 @@ class ZeroEngine:
             # Where stock Keras decays (replica context, before the update): bit-equal stage 1.
             # With accumulation, only update steps decay, inside the engine's step (`_decay`).
             keras_optimizer.apply_weight_decay(self.optimizer, self._present(self.variables))
-        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
+        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate, slice_rows))
+
+    def _slice_rows(self, grads: list, variables: list) -> list:
+        """(indices, values as rows) of each IndexedSlices gradient, in the order of `self.sliced` (which
+        `_in_variable_order` sets, the same on every replica)."""
+        if self.optimizer.gradient_accumulation_steps:
+            return []
+        by_index = {keras_optimizer.variable_index(self.optimizer, v): g for g, v in zip(grads, variables)}
+        return [rows_of(by_index[i], self.variables[i].shape) for i in sorted(by_index)
+                if isinstance(by_index[i], tf.IndexedSlices)]
 
     def _present(self, items: list) -> list:
         """`items` (one per engine variable) without those of variables that have no gradient this step."""
@@ -239,8 +256,18 @@ class ZeroEngine:
             parts.append(tf.zeros([pad], self.dtype))
         return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
 
-    def _step(self, strategy, grads, learning_rate) -> None:
+    def _step(self, strategy, grads, learning_rate, slice_rows=()) -> None:
+        self.take_slices(strategy, slice_rows)
         self._apply_shards(*self.reduce_gradients(strategy, grads, learning_rate))
+
+    def take_slices(self, strategy, slice_rows) -> None:
+        """Cross-replica context: every replica's lookups of the variables in `self.sliced` (`slice_rows[k]`: per
+        replica (indices, values) of variable `sliced[k]`), all-gathered for the update (`sliced_gradients`)."""
+        local = strategy.experimental_local_results
+        self._gathered = {j: gather_slices(self.comm, local(ix), local(vals))
+                          for j, (ix, vals) in zip(self.sliced, slice_rows)}
+
+    _gathered: dict = {}  # variable -> per local replica, every replica's slices (`take_slices`)
 
     def reduce_gradients(self, strategy, grads: list, learning_rate) -> tuple[list, list, list]:
         """Cross-replica context (`apply`'s merge_call): `grads` (per-replica values, in the order of `variables`)
@@ -303,7 +330,7 @@ class ZeroEngine:
         """Clip the reduced gradient shards, decay and update each owner's parameter shard with the
         optimizer's own update_step, all-gather the shards into every replica's parameters."""
         comm, opt = self.comm, self.optimizer
-        shards = self._clip(shards)
+        shards, clip_slices = self._clip(shards)
         if opt.gradient_accumulation_steps:
             self._decay(params, lrs)
         for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
@@ -319,8 +346,12 @@ class ZeroEngine:
                 kept = self._kept(sid)
                 state = [self.shard_params[i], *(self.state.shards(name)[i] for name in self.state.names)]
                 before = [tf.identity(v.value) for v in state] if kept is not None else []
+                gradient = tf.identity(shards[i])
+                if self._gathered:  # lookups as stock Keras updates them: one slice per lookup
+                    gradient = shard_gradient(self.layout, sid, gradient,
+                                              {j: rows[i] for j, rows in self._gathered.items()}, clip_slices[i])
                 with tf.control_dependencies(before):
-                    self.inner.update_step(tf.identity(shards[i]), self.shard_params[i], tf.cast(lrs[i], self.dtype))
+                    self.inner.update_step(gradient, self.shard_params[i], tf.cast(lrs[i], self.dtype))
                 for v, old in zip(state, before):  # variables without a gradient: as they were, state included
                     v.assign(tf.where(kept, old, v.value))
         fulls = comm.all_gather([s.value for s in self.shard_params])
@@ -363,11 +394,29 @@ class ZeroEngine:
         averages = [tf.identity(a) for a in self.state.shards("average")]
         self._write_params(self.comm.all_gather(averages), params)
 
-    def _clip(self, shards: list) -> list:
-        """Clipping on the summed gradient (tfdist.zero.clipping), whatever the stage."""
+    def _clip(self, shards: list) -> tuple[list, list]:
+        """Clipping on the summed gradient (tfdist.zero.clipping), whatever the stage. Returns the clipped shards
+        and, per local replica, what clips a lookup's slices alike (`fn(values, positions in the shard)`)."""
+        opt, comm = self.optimizer, self.comm
         if self.clip_factors is not None:
-            return scale_flat_shards(self.layout, self.comm.shard_ids, self.comm.devices, shards, self.clip_factors)
-        return clip_flat_shards(self.optimizer, self.comm, self.layout, shards)
+            factors = flat_scale_factors(self.layout, comm.shard_ids, comm.devices, self.dtype, self.clip_factors)
+        elif opt.clipvalue:
+            limit = opt.clipvalue
+            clipped = []
+            for s, device in zip(shards, comm.devices):
+                with tf.device(device):
+                    clipped.append(tf.clip_by_value(s, -limit, limit))
+            return clipped, [lambda values, positions: tf.clip_by_value(values, -limit, limit)] * len(shards)
+        else:
+            factors = flat_clip_factors(opt, comm, self.layout, shards)
+        if factors is None:
+            return shards, [None] * len(shards)
+        scaled = []
+        for s, f, device in zip(shards, factors, comm.devices):
+            with tf.device(device):
+                scaled.append(s * f)
+        return scaled, [lambda values, positions, f=f: values * (f if f.shape.rank == 0 else tf.gather(f, positions))
+                        for f in factors]
 
 
 def tf_variable(variable):

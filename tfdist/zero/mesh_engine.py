@@ -14,6 +14,7 @@ from tfdist.zero.clipping import logical_clip_factors
 from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.zero.config import ZeroConfig
 from tfdist.zero.engine import ZeroEngine, tf_variable
+from tfdist.zero.sliced_gradients import rows_of
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
 __all__ = ["GroupedZeroEngine"]
@@ -157,13 +158,24 @@ class GroupedZeroEngine:
         """Replica context: called from the optimizer's apply() with unscaled, non-None gradients."""
         ctx, grads = self._gradients_in_order(grads, variables, self.stage)
         opt = self.optimizer
+        # Lookups (IndexedSlices) reach each group's update as slices, as stock Keras updates them
+        # (`sliced_gradients`); accumulated ones Keras densifies itself.
+        self._sliced = () if opt.gradient_accumulation_steps else tuple(
+            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
+        rows = [rows_of(grads[i], self.variables[i].shape) for i in self._sliced]
         if not all(engine.reduce_scatters for engine in self.engines):  # stage 1, > 2 replicas: stage 0's sum
             grads = keras_optimizer.keras_all_reduce_sum(opt, grads, [tf_variable(v) for v in self.variables])
         if not opt.gradient_accumulation_steps:
             keras_optimizer.apply_weight_decay(opt, self.variables)
-        ctx.merge_call(self._step, args=(grads, opt.learning_rate))
+        ctx.merge_call(self._step, args=(grads, opt.learning_rate, rows))
 
-    def _step(self, strategy, grads, learning_rate) -> None:
+    _sliced: tuple = ()  # variables whose gradient is IndexedSlices in the step being traced
+
+    def _step(self, strategy, grads, learning_rate, rows=()) -> None:
+        rows_of_variable = dict(zip(self._sliced, rows))
+        for engine, indices in zip(self.engines, self.group_indices):
+            engine.sliced = tuple(j for j, i in enumerate(indices) if i in rows_of_variable)
+            engine.take_slices(strategy, [rows_of_variable[i] for i in indices if i in rows_of_variable])
         reduced = [engine.reduce_gradients(strategy, [grads[i] for i in indices], learning_rate)
                    for engine, indices in zip(self.engines, self.group_indices)]
         if self._clips_by_norm():

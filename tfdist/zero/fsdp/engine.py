@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -10,7 +11,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
-from tfdist.zero.clipping import clip_pieces, scale_pieces
+from tfdist.zero.clipping import clip_pieces, piece_clip_factors, piece_scale_factors
 from tfdist.zero.config import ZeroConfig
 from tfdist.zero.engine import ZeroEngine, as_per_replica
 from tfdist.zero.fsdp import _keras as fsdp_keras
@@ -20,6 +21,7 @@ from tfdist.zero.fsdp.piece_state import PieceState
 from tfdist.zero.fsdp.regularizers import ADDITIVE, gather_regularizers, shard_regularizers
 from tfdist.zero.fsdp.unit import FsdpUnit, to_local_replicas
 from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
+from tfdist.zero.sliced_gradients import piece_slices, rows_of
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
 
@@ -108,7 +110,9 @@ class Zero3Engine(ZeroEngine):
     # --- one training step -----------------------------------------------------------------
     def apply(self, grads: list, variables: list) -> None:
         """Replica context: `grads[j]` is this replica's reduce-scattered piece of variable j's gradient."""
-        ctx, grads = self._replica_context(), self._in_variable_order(grads, variables)
+        ctx = self._replica_context()
+        lookups = self._lookup_slices(ctx, grads, variables)  # this replica's, before they are densified
+        grads = self._in_variable_order(grads, variables)
         # A variable without a gradient (an output without a loss, a branch the step does not use): zeros of its
         # piece's size, and `_update` leaves it and its state as they were, as Keras leaves a None gradient's.
         grads = [tf.zeros([self.layout.piece_sizes[j]], self.dtype) if j in self.missing else g
@@ -123,7 +127,41 @@ class Zero3Engine(ZeroEngine):
                     "ran before its parameters were sharded (the optimizer was first built inside this step): build "
                     "it before the first step, inside the scope: `optimizer.build(model.trainable_variables)` "
                     "(model.fit does).")
-        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate))
+        ctx.merge_call(self._step, args=(grads, self.optimizer.learning_rate, lookups))
+
+    def _lookup_slices(self, ctx, grads: list, variables: list) -> list:
+        """Replica context: for each variable in `self.sliced` (IndexedSlices gradients, `_in_variable_order`), the
+        (positions, values) of this replica's piece that every replica's lookups give (`sliced_gradients`): from a
+        unit's backward they come so already (dense shape: the piece's); a custom loop's slices of the whole
+        variable are all-gathered here."""
+        if self.optimizer.gradient_accumulation_steps:  # Keras densifies accumulated lookups itself
+            return []
+        by_index = {keras_optimizer.variable_index(self.optimizer, v): g for g, v in zip(grads, variables)}
+        found, whole = {}, []
+        for j in sorted(by_index):
+            g = by_index[j]
+            if not isinstance(g, tf.IndexedSlices):
+                continue
+            k = self.layout.piece_sizes[j]
+            if tf.get_static_value(g.dense_shape) is not None and list(tf.get_static_value(g.dense_shape)) == [k] \
+                    and tuple(self.variables[j].shape) != (k,):
+                found[j] = (tf.cast(g.indices, tf.int64), g.values)
+            else:
+                whole.append((j, rows_of(g, self.variables[j].shape)))
+        if whole:
+            gathered = ctx.merge_call(functools.partial(self._merge_lookup_slices, [j for j, _ in whole]),
+                                      args=tuple(rows for _, rows in whole))
+            found.update(zip((j for j, _ in whole), gathered))
+        return [found[j] for j in sorted(found)]
+
+    def _merge_lookup_slices(self, lookups: list[int], strategy, *rows) -> tuple:
+        local, out = strategy.experimental_local_results, []
+        for j, (indices, values) in zip(lookups, rows):
+            found = piece_slices(self.comm, local(indices), [tf.cast(v, self.dtype) for v in local(values)],
+                                 self.layout.piece_sizes[j])
+            out.append(tuple(to_local_replicas(strategy, [f[k] for f in found], min(self.comm.shard_ids))
+                             for k in (0, 1)))
+        return tuple(out)
 
     def _pieces_of_whole_gradients(self, ctx, grads: list) -> list:
         """Replica context: a custom loop may pass a whole gradient (the variable's shape, not its piece's), in any
@@ -152,8 +190,13 @@ class Zero3Engine(ZeroEngine):
             out.append(to_local_replicas(strategy, summed, min(self.comm.shard_ids)))
         return tuple(out)
 
-    def _step(self, strategy, grads, learning_rate) -> None:
+    def _step(self, strategy, grads, learning_rate, lookups=()) -> None:
+        local = strategy.experimental_local_results
+        self.lookups = {j: list(zip(local(positions), local(values)))
+                         for j, (positions, values) in zip(self.sliced, lookups)}
         self.step_pieces(strategy, grads, learning_rate)
+
+    lookups: dict = {}  # variable -> per local replica, (positions, values) of its piece's lookups (set per step)
 
     def step_pieces(self, strategy, grads: list, learning_rate) -> None:
         """Cross-replica context: `grads[j]` (per-replica values) are the replicas' gradient pieces of variable j;
@@ -186,19 +229,35 @@ class Zero3Engine(ZeroEngine):
 
     def _update(self, grads: list, params: list, lrs: list) -> None:
         """Clip (global gradient), decay, then the optimizer's own update_step on every piece."""
+        opt = self.optimizer
         if self.clip_factors is not None:  # a GroupedZero3Engine's norms over all its groups
-            grads = scale_pieces(self.comm.devices, grads, self.clip_factors)
+            factors = piece_scale_factors(grads, self.clip_factors)
+        elif opt.clipvalue:
+            factors = None
         else:
-            grads = clip_pieces(self.optimizer, self.comm, grads)
+            factors = piece_clip_factors(opt, self.comm, grads)
+        if factors is not None:
+            grads = [[g * f for g, f in zip(row, fs)] for row, fs in zip(grads, factors)]
+        elif opt.clipvalue:
+            grads = clip_pieces(opt, self.comm, grads)
         self._decay(params, lrs)  # here, on the pieces (Keras decays the Keras variable, which has no value)
         counter = keras_optimizer.iteration_counter(self.inner)
         counter.assign(tf.cast(keras_optimizer.iteration_counter(self.optimizer), counter.dtype))
-        for row, refs, lr, device in zip(grads, self.piece_refs, lrs, self.state_devices):
+        for i, (row, refs, lr, device) in enumerate(zip(grads, self.piece_refs, lrs, self.state_devices)):
             with tf.device(device):
                 lr = tf.cast(lr, self.dtype)
                 for j, (g, ref) in enumerate(zip(row, refs)):
-                    if j not in self.missing:
-                        self.inner.update_step(tf.identity(g), ref, lr)
+                    if j in self.missing:
+                        continue
+                    g = tf.identity(g)
+                    if j in self.lookups:  # as stock Keras updates a lookup: one slice per looked-up element
+                        positions, values = self.lookups[j][i]
+                        if opt.clipvalue:
+                            values = tf.clip_by_value(values, -opt.clipvalue, opt.clipvalue)
+                        elif factors is not None:
+                            values = values * factors[i][j]
+                        g = tf.IndexedSlices(values, positions, tf.constant([self.layout.piece_sizes[j]], tf.int64))
+                    self.inner.update_step(g, ref, lr)
 
     def _update_averages(self, params: list, iterations) -> None:
         """Keras' EMA, per piece."""

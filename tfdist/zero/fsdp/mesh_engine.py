@@ -80,6 +80,12 @@ class GroupedZero3Engine(GroupedZeroEngine):
         """Replica context: `grads` are this row's reduce-scattered gradient pieces (the units' backward)."""
         ctx, grads = self._gradients_in_order(grads, variables, 3)
         opt = self.optimizer
+        # A lookup's piece comes as element slices (the units' backward): each group's update takes them as they
+        # are (`Zero3Engine.lookups`), the norms and accumulation their dense sum.
+        self._sliced = () if opt.gradient_accumulation_steps else tuple(
+            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
+        lookups = [(tf.cast(grads[i].indices, tf.int64), grads[i].values) for i in self._sliced]
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         for g, v, p in zip(grads, self.variables, self.params):
             if g.shape.rank != 1 or g.shape[0] not in (None, p.piece_size):
                 raise ConfigError(
@@ -87,9 +93,13 @@ class GroupedZero3Engine(GroupedZeroEngine):
                     f"({p.piece_size},): the model ran before its parameters were sharded. Build the optimizer "
                     "before the first step, inside the scope: `optimizer.build(model.trainable_variables)` "
                     "(model.fit does).")
-        ctx.merge_call(self._step, args=(grads, opt.learning_rate))
+        ctx.merge_call(self._step, args=(grads, opt.learning_rate, lookups))
 
-    def _step(self, strategy, grads, learning_rate) -> None:
+    def _step(self, strategy, grads, learning_rate, lookups=()) -> None:
+        local, by_variable = strategy.experimental_local_results, dict(zip(self._sliced, lookups))
+        for engine, indices in zip(self.engines, self.group_indices):
+            engine.lookups = {j: list(zip(local(by_variable[i][0]), local(by_variable[i][1])))
+                               for j, i in enumerate(indices) if i in by_variable}
         # clipnorm / global_clipnorm: factors from the norms over every group first (a split variable's shards sit in
         # several groups); then each group's Zero3Engine: clipping, decay, update_step, EMA on its own pieces.
         if self._clips_by_norm():

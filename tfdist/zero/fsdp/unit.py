@@ -3,6 +3,7 @@ and whose weight gradients are reduce-scattered into the replicas' pieces (ZeRO 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import keras
@@ -13,6 +14,7 @@ from tfdist._compat.captured_inputs import differentiable_captures
 from tfdist.zero.collectives import ShardCollectives
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.param import FsdpParam, current_unit
+from tfdist.zero.sliced_gradients import piece_slices, rows_of
 
 __all__ = ["FsdpUnit"]
 
@@ -141,8 +143,14 @@ class FsdpUnit:
                 unused = [g is None for g in grads[len(floats):]]
                 # Every replica traces the same step, so the reduce-scatter still runs with every piece (zeros
                 # for the unused ones): the collective's shape does not depend on which outputs had a loss.
-                summed = self._reduce_scatter(ctx, [tf.zeros_like(w) if g is None else g
-                                                    for w, g in zip(weights, grads[len(floats):])])
+                # A lookup's gradient (IndexedSlices) reaches the optimizer as slices of the piece instead
+                # (`_lookup_pieces`), as stock Keras hands slices to its update.
+                weight_grads = grads[len(floats):]
+                lookups = [j for j, g in enumerate(weight_grads) if isinstance(g, tf.IndexedSlices)]
+                summed = self._reduce_scatter(ctx, [tf.zeros_like(w) if g is None or j in lookups else g
+                                                    for j, (w, g) in enumerate(zip(weights, weight_grads))])
+                for j, piece in zip(lookups, self._lookup_pieces(ctx, lookups, weight_grads)):
+                    summed[j] = piece
                 return dx + [None if u else g for g, u in zip(summed, unused)] + [None] * len(values)
 
             return outs + [new for _, new in updates], grad
@@ -217,6 +225,26 @@ class FsdpUnit:
             for j, g in zip(js, tf.split(summed, sizes) if len(js) > 1 else [summed]):
                 out[j] = g
         return out
+
+    def _lookup_pieces(self, ctx, lookups: list[int], grads: list) -> list[tf.IndexedSlices]:
+        """This replica's piece of each lookup gradient `grads[j]` (j in `lookups`) as element slices: every
+        replica's lookups, all-gathered, that fall into the piece (`sliced_gradients.piece_slices`)."""
+        if not lookups:
+            return []
+        rows = [rows_of(grads[j], self.params[j][1].shape) for j in lookups]
+        rows = [(ix, tf.cast(vals, self.params[j][1].dtype)) for j, (ix, vals) in zip(lookups, rows)]
+        found = ctx.merge_call(functools.partial(self._merge_lookup_pieces, list(lookups)), args=tuple(rows))
+        return [tf.IndexedSlices(values, positions, tf.constant([self.piece_sizes[j]], tf.int64))
+                for j, (positions, values) in zip(lookups, found)]
+
+    def _merge_lookup_pieces(self, lookups: list[int], strategy, *rows):
+        local, out = strategy.experimental_local_results, []
+        comm_of = {j: comm for comm, js in self.groups for j in js}
+        for j, (indices, values) in zip(lookups, rows):
+            comm = comm_of[j]
+            found = piece_slices(comm, local(indices), local(values), self.piece_sizes[j])
+            out.append(tuple(to_local_replicas(strategy, [f[k] for f in found], min(comm.shard_ids)) for k in (0, 1)))
+        return tuple(out)
 
     def _merge_reduce_scatter(self, strategy, *chunks):
         out, at = [], 0
