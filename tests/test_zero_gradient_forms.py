@@ -238,6 +238,13 @@ def lookups(replica):
     return tf.IndexedSlices(values, rows, tf.constant([10, 3]))
 
 
+SHARED_ROWS = [0, 2, 0]  # the third variable's lookups: one int64 tensor made outside the replica function
+
+
+def shared_lookups(replica, rows):
+    return tf.IndexedSlices((replica + 1.0) * tf.constant([1.0, 2.0, 3.0]), rows, tf.constant([3], tf.int64))
+
+
 def adam():
     return keras.optimizers.Adam(0.1, use_ema=True, ema_overwrite_frequency=3, weight_decay=0.1, clipvalue=4.0)
 
@@ -251,18 +258,25 @@ def one_device_adam(densified: bool) -> list[np.ndarray]:
     every = [lookups(tf.constant(float(r))) for r in range(REPLICAS)]
     slices = tf.IndexedSlices(tf.concat([s.values for s in every], 0), tf.concat([s.indices for s in every], 0),
                               tf.constant([10, 3]))
+    third = [shared_lookups(tf.constant(float(r)), tf.constant(SHARED_ROWS, tf.int64)) for r in range(REPLICAS)]
+    third = tf.IndexedSlices(tf.concat([s.values for s in third], 0), tf.concat([s.indices for s in third], 0),
+                             tf.constant([3], tf.int64))
     for _ in range(STEPS):
         opt.apply_gradients([(tf.constant(G * sum(range(1, REPLICAS + 1))), w),
-                             (tf.convert_to_tensor(slices) if densified else slices, e)])
+                             (tf.convert_to_tensor(slices) if densified else slices, e),
+                             (tf.convert_to_tensor(third) if densified else third, u)])
     opt.finalize_variable_values([w, e, u])
     return [v.numpy() for v in (w, e, u)]
 
 
 def test_lookups_reach_adam_as_stock_hands_them_at_every_stage():
-    """A custom loop's IndexedSlices (counts differing per replica) under Adam with EMA, weight decay and clipvalue:
-    stages 1, 2 and 3 equal one device given the concatenated slices, which differs from the dense sum's result."""
+    """A custom loop's IndexedSlices (counts differing per replica; for a third, rank-1 variable one index tensor
+    shared by every replica) under Adam with EMA, weight decay and clipvalue: stages 1, 2 and 3 equal one device
+    given the concatenated slices, which differs from the dense sum's result."""
     expected = one_device_adam(densified=False)
-    assert np.abs(expected[1] - one_device_adam(densified=True)[1]).max() > 1e-2  # the test tells the two apart
+    densified = one_device_adam(densified=True)
+    for k in (1, 2):
+        assert np.abs(expected[k] - densified[k]).max() > 1e-2  # the test tells the two apart
     for stage in (1, 2, 3):
         strategy = tfdist.MirroredStrategy(zero_stage=stage)
         with strategy.scope():
@@ -274,9 +288,12 @@ def test_lookups_reach_adam_as_stock_hands_them_at_every_stage():
 
         @tf.function
         def step():
+            rows = tf.constant(SHARED_ROWS, tf.int64)  # the same tensor object on every replica
+
             def replica_step():
                 replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-                opt.apply_gradients([(tf.constant(G) * (replica + 1.0), weights[0]), (lookups(replica), weights[1])])
+                opt.apply_gradients([(tf.constant(G) * (replica + 1.0), weights[0]), (lookups(replica), weights[1]),
+                                     (shared_lookups(replica, rows), weights[2])])
 
             strategy.run(replica_step)
 

@@ -233,8 +233,9 @@ class ZeroEngine:
         if self.optimizer.gradient_accumulation_steps:
             return []
         by_index = {keras_optimizer.variable_index(self.optimizer, v): g for g, v in zip(grads, variables)}
-        return [rows_of(by_index[i], self.variables[i].shape) for i in sorted(by_index)
+        rows = [rows_of(by_index[i], self.variables[i].shape) for i in sorted(by_index)
                 if isinstance(by_index[i], tf.IndexedSlices)]
+        return [(ix, tf.cast(values, self.dtype)) for ix, values in rows]
 
     def _present(self, items: list) -> list:
         """`items` (one per engine variable) without those of variables that have no gradient this step."""

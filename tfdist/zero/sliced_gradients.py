@@ -7,8 +7,8 @@ value of) each slice separately and sum duplicates only when a slice meets a den
 of a token looked up k times gets the sum of k squares, not the square of the sum. ZeRO's reduce-scatter sums
 gradients densely; to give the optimizer what stock gives it, each owner also receives every replica's slices
 (one all-gather, of what stock all-gathers) and passes its update step one gradient for its flat shard as
-element slices: every element of the dense variables once, and each looked-up row's elements of its shard once per
-lookup, in replica order. The optimizer's own ops then sum and square exactly as on the rows.
+element slices: every element once (zero for a looked-up variable's), then each looked-up row's elements of its
+shard once per lookup, in replica order. The optimizer's own ops then sum and square exactly as on the rows.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ class Slices:
 def rows_of(slices: tf.IndexedSlices, shape: Sequence[int]) -> tuple[tf.Tensor, tf.Tensor]:
     """(indices as int64 [n], values as [n, elements per row]) of one replica's slices of a variable of `shape`."""
     row = int(np.prod(shape[1:], dtype=np.int64))
-    return tf.cast(slices.indices, tf.int64), tf.reshape(slices.values, [-1, row])
+    # New tensors, never the caller's: indices made outside the replica function are one object on every replica,
+    # which merge_call would hand back as one value instead of one per replica.
+    return tf.identity(tf.cast(slices.indices, tf.int64)), tf.reshape(slices.values, [-1, row])
 
 
 def gather_slices(comm: ShardCollectives, indices: Sequence[tf.Tensor], values: Sequence[tf.Tensor]) -> list[Slices]:
@@ -87,21 +89,24 @@ def piece_slices(comm: ShardCollectives, indices: Sequence[tf.Tensor], values: S
 
 
 def shard_gradient(layout: FlatLayout, shard: int, dense: tf.Tensor, sliced: dict[int, Slices],
-                   clip=None) -> tf.IndexedSlices:
-    """The gradient of flat shard `shard` as element slices: `dense` (the shard of the reduced dense gradient)
-    for every element that belongs to no variable in `sliced`, and, for each variable j in `sliced`, one slice per
-    looked-up element of this shard (a row looked up k times gives k). `clip(values, positions)` scales or clips
-    the slices' values as the dense shard was (`positions`: theirs in the shard)."""
+                   clip=None) -> tf.Tensor | tf.IndexedSlices:
+    """The gradient of flat shard `shard` for the optimizer's update: `dense` (the shard of the reduced dense
+    gradient) itself when the shard holds no element of a variable in `sliced`; otherwise element slices: every
+    element once with its dense value, zero for the elements of the variables in `sliced` (a zero adds nothing to a
+    sum or a sum of squares), then one slice per looked-up element of this shard (a row looked up k times gives k).
+    `clip(values, positions)` scales or clips the slices' values as the dense shard was (`positions`: theirs in the
+    shard)."""
     size = layout.shard_size
-    dense_positions = [np.arange(p.offset, p.offset + p.size) for p in layout.pieces(shard) if p.var not in sliced]
-    covered = sum(p.size for p in layout.pieces(shard))
-    dense_positions.append(np.arange(covered, size))  # the padding: zero, updated as before
-    dense_positions = np.concatenate(dense_positions).astype(np.int64)
-    positions = [tf.constant(dense_positions)]
-    values = [tf.gather(dense, positions[0]) if len(dense_positions) < size else dense]
-    for j in sorted(sliced):
-        if any(p.var == j for p in layout.pieces(shard)):
-            at, picked = element_slices(sliced[j], layout.offsets[j] - shard * size, size)
-            positions.append(at)
-            values.append(clip(picked, at) if clip is not None else picked)
+    mine = [p for p in layout.pieces(shard) if p.var in sliced]
+    if not mine:
+        return dense
+    everywhere = tf.range(size, dtype=tf.int64)
+    looked_up = tf.zeros([size], tf.bool)
+    for p in mine:
+        looked_up |= (everywhere >= p.offset) & (everywhere < p.offset + p.size)
+    positions, values = [everywhere], [tf.where(looked_up, tf.zeros_like(dense), dense)]
+    for j in sorted({p.var for p in mine}):
+        at, picked = element_slices(sliced[j], layout.offsets[j] - shard * size, size)
+        positions.append(at)
+        values.append(clip(picked, at) if clip is not None else picked)
     return tf.IndexedSlices(tf.concat(values, 0), tf.concat(positions, 0), tf.constant([size], tf.int64))

@@ -145,7 +145,7 @@ class Zero3Engine(ZeroEngine):
             k = self.layout.piece_sizes[j]
             if tf.get_static_value(g.dense_shape) is not None and list(tf.get_static_value(g.dense_shape)) == [k] \
                     and tuple(self.variables[j].shape) != (k,):
-                found[j] = (tf.cast(g.indices, tf.int64), g.values)
+                found[j] = (tf.identity(tf.cast(g.indices, tf.int64)), tf.identity(g.values))
             else:
                 whole.append((j, rows_of(g, self.variables[j].shape)))
         if whole:

@@ -84,7 +84,8 @@ class GroupedZero3Engine(GroupedZeroEngine):
         # are (`Zero3Engine.lookups`), the norms and accumulation their dense sum.
         self._sliced = () if opt.gradient_accumulation_steps else tuple(
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices))
-        lookups = [(tf.cast(grads[i].indices, tf.int64), grads[i].values) for i in self._sliced]
+        lookups = [(tf.identity(tf.cast(grads[i].indices, tf.int64)), tf.identity(grads[i].values))
+                   for i in self._sliced]
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         for g, v, p in zip(grads, self.variables, self.params):
             if g.shape.rank != 1 or g.shape[0] not in (None, p.piece_size):

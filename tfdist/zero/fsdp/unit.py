@@ -147,8 +147,9 @@ class FsdpUnit:
                 # (`_lookup_pieces`), as stock Keras hands slices to its update.
                 weight_grads = grads[len(floats):]
                 lookups = [j for j, g in enumerate(weight_grads) if isinstance(g, tf.IndexedSlices)]
-                summed = self._reduce_scatter(ctx, [tf.zeros_like(w) if g is None or j in lookups else g
-                                                    for j, (w, g) in enumerate(zip(weights, weight_grads))])
+                summed = self._reduce_scatter(ctx, [tf.zeros_like(w) if g is None else g
+                                                    for j, (w, g) in enumerate(zip(weights, weight_grads))],
+                                              skip=frozenset(lookups))
                 for j, piece in zip(lookups, self._lookup_pieces(ctx, lookups, weight_grads)):
                     summed[j] = piece
                 return dx + [None if u else g for g, u in zip(summed, unused)] + [None] * len(values)
@@ -202,10 +203,11 @@ class FsdpUnit:
         return tuple(to_local_replicas(strategy, comm.all_gather(list(strategy.experimental_local_results(x))),
                                   min(comm.shard_ids)) for x, (comm, _) in zip(local, self.groups))
 
-    def _reduce_scatter(self, ctx, grads) -> list[tf.Tensor]:
-        """This replica's pieces of the sum over replicas of the weight gradients."""
-        chunks = []
-        for comm, js in self.groups:
+    def _reduce_scatter(self, ctx, grads, skip=frozenset()) -> list:
+        """This replica's pieces of the sum over replicas of the weight gradients, except those of the weights in
+        `skip` (None: lookups, which travel as slices). `skip` is the same on every replica (one trace)."""
+        chunks, groups = [], self._groups_without(skip)
+        for comm, js in groups:
             n, flats = comm.num_shards, []
             for j in js:
                 p, k = self.params[j][1], self.piece_sizes[j]
@@ -217,9 +219,11 @@ class FsdpUnit:
                 parts = [f[r * self.piece_sizes[j]:(r + 1) * self.piece_sizes[j]] for f, j in zip(flats, js)]
                 chunk = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
                 chunks.append(chunk if self.grad_dtype is None else tf.cast(chunk, self.grad_dtype))
-        mine = ctx.merge_call(self._merge_reduce_scatter, args=tuple(chunks))
         out = [None] * len(self.params)
-        for summed, (_, js) in zip(mine, self.groups):
+        if not chunks:
+            return out
+        mine = ctx.merge_call(functools.partial(self._merge_reduce_scatter, frozenset(skip)), args=tuple(chunks))
+        for summed, (_, js) in zip(mine, groups):
             sizes = [self.piece_sizes[j] for j in js]
             summed = tf.cast(summed, self.params[js[0]][1].dtype)  # from grad_dtype, if summed in it
             for j, g in zip(js, tf.split(summed, sizes) if len(js) > 1 else [summed]):
@@ -246,9 +250,14 @@ class FsdpUnit:
             out.append(tuple(to_local_replicas(strategy, [f[k] for f in found], min(comm.shard_ids)) for k in (0, 1)))
         return tuple(out)
 
-    def _merge_reduce_scatter(self, strategy, *chunks):
+    def _groups_without(self, skip) -> list[tuple]:
+        """`self.groups` without the weights in `skip`, and without groups left empty."""
+        groups = [(comm, [j for j in js if j not in skip]) for comm, js in self.groups]
+        return [(comm, js) for comm, js in groups if js]
+
+    def _merge_reduce_scatter(self, skip, strategy, *chunks):
         out, at = [], 0
-        for comm, _ in self.groups:
+        for comm, _ in self._groups_without(skip):
             n = comm.num_shards
             local = [strategy.experimental_local_results(c) for c in chunks[at:at + n]]  # [destination][replica]
             at += n
