@@ -22,9 +22,10 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer
 from tfdist.errors import ConfigError
 from tfdist.zero.config import ZeroConfig, check_unit_bytes
-from tfdist.zero.engine import ZeroEngine, tf_variable
+from tfdist.zero.engine import ZeroEngine
 from tfdist.zero.fsdp.engine import enable_stage3
 from tfdist.zero.loss_scale import agree_on_finite_gradients
+from tfdist.zero.replica_values import tf_variable
 from tfdist.zero.stage0_update import SummedGradientUpdate
 
 __all__ = ["building_optimizers", "configure_stage3", "cross_process_engine",

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfdist.zero.collectives import ShardCollectives
 
-__all__ = ["clip_pieces", "flat_clip_factors", "flat_scale_factors", "logical_clip_factors",
+__all__ = ["clip_flat_shards", "clip_pieces", "flat_clip_factors", "flat_scale_factors", "logical_clip_factors",
            "piece_clip_factors", "piece_scale_factors"]
 
 
@@ -128,3 +128,29 @@ def piece_scale_factors(grads: list, factors: list) -> list:
     scalar for local replica i's gradient piece `grads[i][j]` of variable j (stage 3)."""
     return [[tf.cast(f if f.shape.rank == 0 else f[j], g.dtype) for j, g in enumerate(row)]
             for row, f in zip(grads, factors)]
+
+
+def clip_flat_shards(optimizer, comm: ShardCollectives, layout, shards: list, dtype,
+                     clip_factors: list | None = None) -> tuple[list, list]:
+    """Keras' clipping options on flat shards (stages 1/2) of the summed gradient: `clip_factors` when a
+    GroupedZeroEngine found them over every group, else clipvalue or `flat_clip_factors`. Returns the clipped shards
+    and, per local replica, what clips a lookup's slices alike (`fn(values, positions in the shard)`)."""
+    if clip_factors is not None:
+        factors = flat_scale_factors(layout, comm.shard_ids, comm.devices, dtype, clip_factors)
+    elif optimizer.clipvalue:
+        limit = optimizer.clipvalue
+        clipped = []
+        for s, device in zip(shards, comm.devices):
+            with tf.device(device):
+                clipped.append(tf.clip_by_value(s, -limit, limit))
+        return clipped, [lambda values, positions: tf.clip_by_value(values, -limit, limit)] * len(shards)
+    else:
+        factors = flat_clip_factors(optimizer, comm, layout, shards)
+    if factors is None:
+        return shards, [None] * len(shards)
+    scaled = []
+    for s, f, device in zip(shards, factors, comm.devices):
+        with tf.device(device):
+            scaled.append(s * f)
+    return scaled, [lambda values, positions, f=f: values * (f if f.shape.rank == 0 else tf.gather(f, positions))
+                    for f in factors]

@@ -8,11 +8,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist._compat import distribute as tf_distribute
 from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.comm.sum_dtype import check_unscaled_sum, summed_in
 from tfdist.errors import ConfigError
-from tfdist.zero.clipping import flat_clip_factors, flat_scale_factors
+from tfdist.zero.clipping import clip_flat_shards
 from tfdist.zero.config import ZeroConfig, refusal, sharded_optimizer_names
 from tfdist.zero.flat_layout import FlatLayout
 from tfdist.zero.optimizer_step import (
@@ -22,6 +21,7 @@ from tfdist.zero.optimizer_step import (
     update_averages,
 )
 from tfdist.zero.owned_slots import SlotShards
+from tfdist.zero.replica_values import as_per_replica, tf_variable
 from tfdist.zero.sliced_gradients import gather_slices, rows_of, shard_gradient
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 
@@ -331,7 +331,8 @@ class ZeroEngine:
         """Clip the reduced gradient shards, decay and update each owner's parameter shard with the
         optimizer's own update_step, all-gather the shards into every replica's parameters."""
         comm, opt = self.comm, self.optimizer
-        shards, clip_slices = self._clip(shards)
+        shards, clip_slices = clip_flat_shards(self.optimizer, self.comm, self.layout, shards, self.dtype,
+                                               self.clip_factors)
         if opt.gradient_accumulation_steps:
             self._decay(params, lrs)
         for i, (sid, device) in enumerate(zip(comm.shard_ids, self.state_devices)):
@@ -394,47 +395,6 @@ class ZeroEngine:
             params = [strategy.experimental_local_results(tf_variable(v)) for v in self.variables]
         averages = [tf.identity(a) for a in self.state.shards("average")]
         self._write_params(self.comm.all_gather(averages), params)
-
-    def _clip(self, shards: list) -> tuple[list, list]:
-        """Clipping on the summed gradient (tfdist.zero.clipping), whatever the stage. Returns the clipped shards
-        and, per local replica, what clips a lookup's slices alike (`fn(values, positions in the shard)`)."""
-        opt, comm = self.optimizer, self.comm
-        if self.clip_factors is not None:
-            factors = flat_scale_factors(self.layout, comm.shard_ids, comm.devices, self.dtype, self.clip_factors)
-        elif opt.clipvalue:
-            limit = opt.clipvalue
-            clipped = []
-            for s, device in zip(shards, comm.devices):
-                with tf.device(device):
-                    clipped.append(tf.clip_by_value(s, -limit, limit))
-            return clipped, [lambda values, positions: tf.clip_by_value(values, -limit, limit)] * len(shards)
-        else:
-            factors = flat_clip_factors(opt, comm, self.layout, shards)
-        if factors is None:
-            return shards, [None] * len(shards)
-        scaled = []
-        for s, f, device in zip(shards, factors, comm.devices):
-            with tf.device(device):
-                scaled.append(s * f)
-        return scaled, [lambda values, positions, f=f: values * (f if f.shape.rank == 0 else tf.gather(f, positions))
-                        for f in factors]
-
-
-def tf_variable(variable):
-    """The tf.Variable (mirrored under a strategy) behind a Keras variable, or a tf.Variable itself:
-    Keras 3 optimizers take both, and `.value` is a tensor property on one and a method on the other."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def as_per_replica(strategy, *grads) -> list:
-    """Cross-replica context: every gradient as per-replica values. One that is a single tensor (the same on every
-    replica, e.g. made outside the replica function) is already this process's sum, as stock tf.distribute reduces
-    it: the first local replica gets it and the others zeros, which the sum adds exactly. The replicas then reduce
-    a list of one kind, which TF's batch all-reduce needs."""
-    n = len(strategy.extended.worker_devices)
-    return [g if isinstance(g, tf.distribute.DistributedValues) else tf_distribute.regroup_per_replica(
-        [g, *(tf.zeros_like(g) for _ in range(n - 1))]) for g in grads]
-
 
 def _name(variable) -> str:
     return getattr(variable, "path", None) or variable.name

@@ -13,7 +13,8 @@ from tfdist.errors import ConfigError
 from tfdist.zero.clipping import logical_clip_factors
 from tfdist.zero.collectives import LocalCollectives, ShardCollectives
 from tfdist.zero.config import ZeroConfig
-from tfdist.zero.engine import ZeroEngine, tf_variable
+from tfdist.zero.engine import ZeroEngine
+from tfdist.zero.replica_values import tf_variable
 from tfdist.zero.sliced_gradients import rows_of
 from tfdist.zero.slot_checkpoint import LogicalSlot, load_own_variables_strict
 

@@ -21,8 +21,8 @@ from tfdist._compat import keras_optimizer
 from tfdist._compat.distribute import regroup_per_replica
 from tfdist.zero.clipping import clip_pieces, logical_clip_factors
 from tfdist.zero.collectives import LocalCollectives
-from tfdist.zero.engine import tf_variable
 from tfdist.zero.optimizer_step import overwrite_every
+from tfdist.zero.replica_values import tf_variable
 
 __all__ = ["RowNorms", "SummedGradientUpdate"]
 

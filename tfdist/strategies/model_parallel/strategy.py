@@ -43,9 +43,9 @@ from tfdist.tensor_parallel.span import RowDevices
 from tfdist.tensor_parallel.stages import StagedShardPlan, StageOptions, shard_stages
 from tfdist.zero.attach import engine_of
 from tfdist.zero.config import check_stage
-from tfdist.zero.engine import tf_variable
 from tfdist.zero.loss_scale import agree_on_finite_gradients
 from tfdist.zero.mesh_engine import GroupedZeroEngine
+from tfdist.zero.replica_values import tf_variable
 
 __all__ = ["ModelParallelStrategy"]
 

@@ -12,10 +12,10 @@ from tfdist._compat import distribute as tf_distribute
 from tfdist.errors import ConfigError
 from tfdist.tensor_parallel.optimizer_state import logical_keys
 from tfdist.zero.attach import engine_of, register_engine
+from tfdist.zero.config import check_stage3_options
 from tfdist.zero.fsdp.mesh_engine import GroupedZero3Engine
 from tfdist.zero.mesh_engine import GroupedZeroEngine
-from tfdist.zero.config import check_stage3_options
-from tfdist.zero.engine import tf_variable
+from tfdist.zero.replica_values import tf_variable
 from tfdist.zero.stage0_update import RowNorms, SummedGradientUpdate
 
 __all__ = ["Stage3Options", "attach_update"]

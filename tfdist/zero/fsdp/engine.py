@@ -13,7 +13,7 @@ from tfdist._compat import keras_model, keras_optimizer, tf_runtime
 from tfdist.errors import ConfigError
 from tfdist.zero.clipping import clip_pieces, piece_clip_factors, piece_scale_factors
 from tfdist.zero.config import ZeroConfig
-from tfdist.zero.engine import ZeroEngine, as_per_replica
+from tfdist.zero.engine import ZeroEngine
 from tfdist.zero.fsdp import _keras as fsdp_keras
 from tfdist.zero.fsdp.layout import ParamShardLayout
 from tfdist.zero.fsdp.param import FsdpParam
@@ -21,6 +21,7 @@ from tfdist.zero.fsdp.piece_state import PieceState
 from tfdist.zero.fsdp.regularizers import ADDITIVE, gather_regularizers, shard_regularizers
 from tfdist.zero.fsdp.unit import FsdpUnit, to_local_replicas
 from tfdist.zero.optimizer_step import accumulate_or_update, update_averages
+from tfdist.zero.replica_values import as_per_replica
 from tfdist.zero.sliced_gradients import piece_slices, rows_of
 
 __all__ = ["Zero3Engine", "enable_stage3", "find_units", "shard_parameters"]
