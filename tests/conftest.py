@@ -243,6 +243,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.root)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown to pytest without it (`-p no:xdist`)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` that survives a dead pytest worker (tests/xdist_scheduler.py): without it, a test that
+    crashes its worker can leave the whole run waiting until CI's time limit."""
+    if config.getvalue("dist") == "loadgroup":
+        from xdist_scheduler import CrashSafeLoadGroupScheduling
+
+        return CrashSafeLoadGroupScheduling(config, log)
+    return None
+
+
 # `TFDIST_TEST_CPU_LOG=FILE make test`: one JSON line per test phase with the CPU seconds it cost, the pytest
 # worker's own and those of every process it started and reaped (jobs, launchers and their ranks). The suite is
 # CPU-bound on 2 cores, so these seconds, not the durations, say where its time goes.
