@@ -34,8 +34,8 @@ def test_a_worker_killed_by_a_test_fails_that_test_and_the_run_still_ends(tmp_pa
         (tmp_path / f"test_one_{i}.py").write_text("import time\n\ndef test_one():\n    time.sleep(0.3)\n")
     env = {"PYTHONPATH": str(Path(__file__).parent), "PATH": "/usr/bin:/bin"}
     try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
-                              "-q", "-o", "addopts=", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+        run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-o", "addopts=",
+                              "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=90)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"the run did not end after a worker died:\n{e.stdout}") from None

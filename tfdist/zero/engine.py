@@ -283,7 +283,8 @@ class ZeroEngine:
         grads = [local(g) if isinstance(g, tf.distribute.DistributedValues)
                  else (g, *(tf.zeros_like(g) for _ in range(n - 1))) for g in grads]
         params = [local(tf_variable(v)) for v in self.variables]
-        lrs = local(learning_rate) if isinstance(learning_rate, tf.distribute.DistributedValues) else [learning_rate] * n
+        per_replica = isinstance(learning_rate, tf.distribute.DistributedValues)
+        lrs = local(learning_rate) if per_replica else [learning_rate] * n
         if not self.reduce_scatters:
             shards = []
             for i, (sid, device) in enumerate(zip(comm.shard_ids, comm.devices)):
