@@ -24,10 +24,9 @@ import sys
 
 import numpy as np
 import pytest
+from tp_models import assert_equals_one_device, run_under_mpirun
 
 from tfdist.errors import ConfigError
-
-from tp_models import assert_equals_one_device, run_under_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tensor_parallel_horovod_job.py")
@@ -222,7 +221,7 @@ def test_a_bad_backend_is_a_config_error_naming_it():
                                                    "task": {"type": "worker", "index": 1}})}, "tf"),
 ])
 def test_auto_picks_horovod_under_a_horovod_or_mpi_launcher(env, expected):
-    from tfdist.strategies.model_parallel.horovod import choose_backend
+    from tfdist.tensor_parallel.horovod_processes import choose_backend
 
     assert choose_backend("auto", env) == expected
     assert choose_backend("tf", env) == "tf" and choose_backend("horovod", env) == "horovod"

@@ -22,10 +22,9 @@ import sys
 
 import numpy as np
 import pytest
+from tp_models import assert_equals_one_device, run_under_mpirun
 
 from tfdist.errors import ConfigError
-
-from tp_models import assert_equals_one_device, run_under_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tensor_parallel_zero_horovod_job.py")
@@ -135,7 +134,7 @@ def test_the_chiefs_keras_files_load_in_plain_keras_with_the_logical_adam_state(
 
 def test_zero_with_rows_spanning_horovod_ranks_is_refused_naming_zero_stage():
     from tfdist.comm.tf_config import ClusterConfig
-    from tfdist.strategies.model_parallel.processes import ProcessRows, check_process_options
+    from tfdist.tensor_parallel.processes import ProcessRows, check_process_options
 
     whole = ProcessRows(ClusterConfig({"worker": ["a", "b"]}, "worker", 0), 0, 2, [["/device:CPU:0"]], 0, 1)
     for stage in (1, 2, 3):

@@ -17,23 +17,16 @@ from tfdist.data_parallel.input_reuse import ReusedInputIterators
 from tfdist.errors import ConfigError, check_seconds
 from tfdist.pipeline.layer_call import colocate_with_inputs
 from tfdist.pipeline.microbatches import check_batch
-from tfdist.strategies.model_parallel.horovod import (
-    choose_backend,
-    horovod_row_span,
-    horovod_rows,
+from tfdist.strategies.model_parallel.zero import (
+    Stage3Options,
+    attach_update,
     horovod_zero_collectives,
-    start_horovod,
-)
-from tfdist.strategies.model_parallel.processes import (
-    check_process_options,
-    process_rows,
-    row_span,
-    start_processes,
     zero_collectives,
 )
-from tfdist.strategies.model_parallel.zero import Stage3Options, attach_update
+from tfdist.tensor_parallel.horovod_processes import choose_backend, horovod_row_span, horovod_rows, start_horovod
 from tfdist.tensor_parallel.layout_map import LayoutMap, as_layout_map
 from tfdist.tensor_parallel.memory import SplitMemoryReport, split_memory_report
+from tfdist.tensor_parallel.processes import check_process_options, process_rows, row_span, start_processes
 from tfdist.tensor_parallel.shard import (
     ShardPlan,
     keep_logical_optimizer_saving,

@@ -1,24 +1,30 @@
 """ModelParallelStrategy's update path for an optimizer being built: a ZeRO engine per device group (zero_stage > 0)
-or stage 0's summed-gradient update, told which shards make one logical variable (clipnorm takes its norm)."""
+or stage 0's summed-gradient update, told which shards make one logical variable (clipnorm takes its norm); and the
+collectives those engines use when the batch axis spans processes (TF collective groups or Horovod)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import keras
+import tensorflow as tf
 
 from tfdist._compat import distribute as tf_distribute
 from tfdist.errors import ConfigError
+from tfdist.tensor_parallel._tf_rows import column_launchers
 from tfdist.tensor_parallel.optimizer_state import logical_keys
+from tfdist.tensor_parallel.processes import device_position
 from tfdist.zero.attach import engine_of, register_engine
+from tfdist.zero.collectives import LocalCollectives
 from tfdist.zero.config import check_stage3_options
 from tfdist.zero.fsdp.mesh_engine import GroupedZero3Engine
 from tfdist.zero.mesh_engine import GroupedZeroEngine
 from tfdist.zero.replica_values import tf_variable
 from tfdist.zero.stage0_update import RowNorms, SummedGradientUpdate
+from tfdist.zero.tf_collectives import TFShardCollectives
 
-__all__ = ["Stage3Options", "attach_update"]
+__all__ = ["Stage3Options", "attach_update", "horovod_zero_collectives", "zero_collectives"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +101,46 @@ def attach_update(strategy, optimizer, variables: list, target, plans: list, opt
     # Stage 0: clipping on the summed gradient and Keras' EMA over rows that meet in a merge_call, as ZeRO does.
     if not strategy.zero_stage and SummedGradientUpdate.needed(optimizer):
         SummedGradientUpdate.attach(optimizer, {id(v): key for v, key in zip(variables, logical)}, row)
+
+
+def zero_collectives(strategy, grid: Sequence[Sequence[str]], first_row: int, cache: dict) -> dict:
+    """ModelParallelStrategy's GroupedZeroEngine host device and collectives: device copies in one process;
+    across processes the group of each mesh column (a group's devices: one per row), whose members are the rows
+    in rank order: with one row per process the strategy's group of that device position, with several a group
+    of its own (`column_launchers`, one per column, kept in `cache` for every optimizer of the strategy).
+    `grid`: this process's mesh rows; `first_row`: the global index of its first."""
+    if strategy.size == 1:
+        return {"collectives": LocalCollectives}
+    timeout_s = strategy.timeout_s
+    host = tf.DeviceSpec.from_string(grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
+
+    def collectives(devices: list[str]) -> TFShardCollectives:
+        own = [strategy.extended.launcher_for(d) for d in devices]
+        if len(devices) == 1:
+            return TFShardCollectives.over_launchers(own, [first_row], strategy.size, timeout_s)
+        # TF ranks a group's members by process, then device index: each local copy's piece is its rank.
+        order = sorted(range(len(devices)), key=lambda i: device_position(devices[i]))
+        shard_ids = [first_row + order.index(i) for i in range(len(devices))]
+        launchers = cache.get(tuple(devices))
+        if launchers is None:
+            column = min(device_position(d)[1] for d in devices)  # a column's devices are its own: a unique key
+            launchers = cache[tuple(devices)] = column_launchers(strategy, devices, column,
+                                                                 strategy.size * len(grid), timeout_s, own)
+        return TFShardCollectives.over_launchers(launchers, shard_ids, strategy.size * len(grid), timeout_s)
+
+    return {"host_device": host, "collectives": collectives}
+
+
+def horovod_zero_collectives(strategy) -> dict:
+    """The GroupedZeroEngine's collectives when the batch axis spans Horovod ranks and each rank holds whole rows:
+    per mesh column (a group's devices: this rank's copies, one per local row, in row order) `tfdist.HorovodStrategy`'s
+    `HorovodShardCollectives` over every rank. Its numbering is the one the engine needs: local copy i of rank p owns
+    piece p * M + i (M rows per rank), and row p * M + i is this rank's i-th row because rows go rank by rank
+    (`process_rows`). It concatenates the copies in the order given, so the numbering does not depend on device
+    indices (TF's groups rank members by device index; `zero_collectives` reorders for them). A column's set is
+    every rank: Horovod's global process set, ops paired across ranks by their traced names (SPMD)."""
+    from tfdist.zero.horovod_collectives import HorovodShardCollectives  # imports Horovod: only when it is asked for
+    def collectives(devices: list[str]) -> HorovodShardCollectives:
+        return HorovodShardCollectives(devices, strategy.rank, strategy.size, strategy.timeout_s)
+
+    return {"collectives": collectives}

@@ -37,17 +37,14 @@ from tfdist.tensor_parallel._tf_rows import (
     RowsExtended,
     SpanExtended,
     SpanRowsExtended,
-    column_launchers,
     device_launchers,
 )
 from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task, task_of
 from tfdist.tensor_parallel.row_reductions import DeviceGroupAllReduce, ProcessDevices
 from tfdist.tensor_parallel.span import RowSpan
-from tfdist.zero.collectives import LocalCollectives
-from tfdist.zero.tf_collectives import TFShardCollectives
 
-__all__ = ["ProcessRows", "RowsOfSpan", "check_process_options", "process_rows", "row_span", "start_processes",
-           "zero_collectives"]
+__all__ = ["ProcessRows", "RowsOfSpan", "check_process_options", "device_position", "process_rows", "row_span",
+           "start_processes"]
 
 _STARTED: dict = {}  # "server": (TF_CONFIG of the job this process joined, the object keeping its server)
 
@@ -73,7 +70,7 @@ def process_rows(grid: Sequence[Sequence[str]], environ=None,
     that is not part of a multi-process job; else this process's rows. ConfigError, naming the fix, for a mesh
     that does not fit the job (unknown tasks, a row that straddles processes, uneven or differently placed rows,
     a device count other than processes x devices per process). `config`: the job instead of TF_CONFIG (Horovod's
-    ranks as workers, `model_parallel_horovod`)."""
+    ranks as workers, `horovod_processes`)."""
     config = tf_config_from_env(environ) if config is None else config
     multi = config is not None and config.num_workers > 1
     flat = [d for row in grid for d in row]
@@ -229,7 +226,7 @@ def _make_extended(strategy, rows: ProcessRows, timeout_s: float):
     if rows.span_first is not None:
         return _make_span_extended(strategy, rows, timeout_s)
     # One collective group per device position (host CPU first: metrics, input agreement, variable start).
-    devices = [host] + sorted({d for row in rows.local_grid for d in row} - {host}, key=_position)
+    devices = [host] + sorted({d for row in rows.local_grid for d in row} - {host}, key=device_position)
 
     def make_extended():
         ops = DeviceGroupAllReduce(device_launchers(strategy, devices, rows.size, timeout_s), rows.size)
@@ -259,7 +256,7 @@ def _make_span_extended(strategy, rows: ProcessRows, timeout_s: float):
 def _make_span_rows_extended(strategy, rows: ProcessRows, timeout_s: float):
     home, b = rows.local_grid[0][0], rows.span_rows
     q = rows.size // b
-    local = sorted({d for row in rows.local_grid for d in row}, key=_position)
+    local = sorted({d for row in rows.local_grid for d in row}, key=device_position)
     place = rows.rank % q  # this process's place in its row: its groups across the rows are those of that place
 
     def make_extended():
@@ -314,35 +311,8 @@ def check_process_options(rows: ProcessRows, zero_stage: int, groups, stage_dim_
                           "processes.")
 
 
-def zero_collectives(strategy, grid: Sequence[Sequence[str]], first_row: int, cache: dict) -> dict:
-    """ModelParallelStrategy's GroupedZeroEngine host device and collectives: device copies in one process;
-    across processes the group of each mesh column (a group's devices: one per row), whose members are the rows
-    in rank order: with one row per process the strategy's group of that device position, with several a group
-    of its own (`column_launchers`, one per column, kept in `cache` for every optimizer of the strategy).
-    `grid`: this process's mesh rows; `first_row`: the global index of its first."""
-    if strategy.size == 1:
-        return {"collectives": LocalCollectives}
-    timeout_s = strategy.timeout_s
-    host = tf.DeviceSpec.from_string(grid[0][0]).replace(device_type="CPU", device_index=0).to_string()
-
-    def collectives(devices: list[str]) -> TFShardCollectives:
-        own = [strategy.extended.launcher_for(d) for d in devices]
-        if len(devices) == 1:
-            return TFShardCollectives.over_launchers(own, [first_row], strategy.size, timeout_s)
-        # TF ranks a group's members by process, then device index: each local copy's piece is its rank.
-        order = sorted(range(len(devices)), key=lambda i: _position(devices[i]))
-        shard_ids = [first_row + order.index(i) for i in range(len(devices))]
-        launchers = cache.get(tuple(devices))
-        if launchers is None:
-            column = min(_position(d)[1] for d in devices)  # a column's devices are its own: a unique key
-            launchers = cache[tuple(devices)] = column_launchers(strategy, devices, column,
-                                                                 strategy.size * len(grid), timeout_s, own)
-        return TFShardCollectives.over_launchers(launchers, shard_ids, strategy.size * len(grid), timeout_s)
-
-    return {"host_device": host, "collectives": collectives}
-
-
-def _position(device: str) -> tuple[str, int]:
+def device_position(device: str) -> tuple[str, int]:
+    """(device type, index) of a device name: the order TF ranks a collective group's members in."""
     spec = tf.DeviceSpec.from_string(device)
     return spec.device_type.upper(), int(spec.device_index or 0)
 

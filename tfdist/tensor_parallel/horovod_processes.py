@@ -2,7 +2,7 @@
 
 The mesh is the same as with TF collectives (`tfdist.cluster.list_devices()` names process r's devices
 '/job:worker/replica:0/task:r/device:CPU:I', r = Horovod rank) and is checked by the same rules
-(`processes.process_rows`). What changes is who moves the bytes:
+(`tfdist.tensor_parallel.processes.process_rows`). What changes is who moves the bytes:
 
 - the batch axis across processes (each process holds whole rows): gradients, metrics and `strategy.reduce` are
   summed over the local rows, then by one grouped `hvd.allreduce` per device (`HorovodMeshAllReduce`);
@@ -11,7 +11,8 @@ The mesh is the same as with TF collectives (`tfdist.cluster.list_devices()` nam
   gradients are summed in the process set of the processes at the same place of every row;
 - variables start as rank 0's (`HorovodGroup`: a signature all-gather, then `hvd.broadcast`);
 - ZeRO over the batch axis (whole rows per process): each mesh column's group reduce-scatters, all-gathers and
-  all-reduces with `tfdist.HorovodStrategy`'s own `HorovodShardCollectives` (`horovod_zero_collectives`).
+  all-reduces with `tfdist.HorovodStrategy`'s own `HorovodShardCollectives`
+  (`tfdist.strategies.model_parallel.zero.horovod_zero_collectives`).
 
 Process sets: the global one when a set holds every rank, else added with Horovod's dynamic process sets (every
 rank adds the same sets, in the same order, when the strategy is created).
@@ -34,8 +35,7 @@ from tfdist.tensor_parallel._tf_rows import RowsExtended, SpanExtended, SpanRows
 from tfdist.tensor_parallel.mesh_devices import local_name, names_a_task
 from tfdist.tensor_parallel.span import RowSpan
 
-__all__ = ["BACKENDS", "choose_backend", "horovod_row_span", "horovod_rows", "horovod_zero_collectives",
-           "start_horovod"]
+__all__ = ["BACKENDS", "choose_backend", "horovod_row_span", "horovod_rows", "start_horovod"]
 
 BACKENDS = ("auto", "tf", "horovod")
 _names = itertools.count(1)  # one op-name prefix per collective object, in creation order (equal on every rank)
@@ -61,8 +61,8 @@ def choose_backend(backend: str, environ: Mapping[str, str] | None = None) -> st
 def horovod_rows(grid, timeout_s: float, environ: Mapping[str, str] | None = None):
     """This process's share of a mesh across Horovod ranks (a `ProcessRows` whose devices are local names), or
     None for a mesh of local devices in a job of one process. Starts Horovod (dynamic process sets)."""
-    from tfdist.strategies.model_parallel.processes import process_rows
     from tfdist.tensor_parallel.horovod_mesh import init_mesh_horovod
+    from tfdist.tensor_parallel.processes import process_rows
 
     flat = [d for row in grid for d in row]
     hvd = init_mesh_horovod(timeout_s)
@@ -112,7 +112,7 @@ def start_horovod(strategy, rows, timeout_s: float):
     row = HorovodRow(hvd, row_sets[rows.first_row], f"{name}_row")
     if b == 1:
         return lambda: SpanExtended(strategy, [home], tf.distribute.ReductionToOneDevice(), world), row
-    from tfdist.strategies.model_parallel.processes import RowsOfSpan
+    from tfdist.tensor_parallel.processes import RowsOfSpan
 
     def make_extended():
         ops = HorovodMeshAllReduce(hvd, b, place_sets[rows.rank % q], f"{name}_rows")
@@ -125,19 +125,3 @@ def horovod_row_span(rows, row) -> RowSpan:
     """The RowSpan of this process's part of a row across Horovod ranks; `row`: its `HorovodRow` (process set)."""
     return RowSpan(rows.span_first, rows.row_size, rows.size // rows.span_rows, all_reduce=row.all_reduce,
                    all_gather=row.all_gather)
-
-
-def horovod_zero_collectives(strategy) -> dict:
-    """The GroupedZeroEngine's collectives when the batch axis spans Horovod ranks and each rank holds whole rows:
-    per mesh column (a group's devices: this rank's copies, one per local row, in row order) `tfdist.HorovodStrategy`'s
-    `HorovodShardCollectives` over every rank. Its numbering is the one the engine needs: local copy i of rank p owns
-    piece p * M + i (M rows per rank), and row p * M + i is this rank's i-th row because rows go rank by rank
-    (`process_rows`). It concatenates the copies in the order given, so the numbering does not depend on device
-    indices (TF's groups rank members by device index; `zero_collectives` reorders for them). A column's set is
-    every rank: Horovod's global process set, ops paired across ranks by their traced names (SPMD)."""
-    from tfdist.zero.horovod_collectives import HorovodShardCollectives
-
-    def collectives(devices: list[str]) -> HorovodShardCollectives:
-        return HorovodShardCollectives(devices, strategy.rank, strategy.size, strategy.timeout_s)
-
-    return {"collectives": collectives}
