@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfdist._compat import keras_optimizer
 
-__all__ = ["accumulate_or_update", "decay", "ema_step", "overwrite_every", "update_averages"]
+__all__ = ["accumulate_or_update", "decay", "ema_step", "moving_average", "overwrite_every", "update_averages"]
 
 
 def accumulate_or_update(optimizer, grads: Sequence, accumulators: Sequence, devices: Sequence[str], dtype,
@@ -74,9 +74,15 @@ def update_averages(optimizer, averages: Sequence, currents: Sequence, iteration
     `currents[i]` are replica i's state (a tensor or a list) on `devices[i]`."""
     for average, current, device in zip(averages, currents, devices):
         with tf.device(device):
-            momentum = tf.cast(tf.not_equal(iterations, 0), dtype) * tf.cast(optimizer.ema_momentum, dtype)
             for a, c in zip(tf.nest.flatten(average), tf.nest.flatten(current())):
-                a.assign(momentum * a + (1 - momentum) * c)
+                a.assign(moving_average(optimizer, a, c, iterations, dtype))
+
+
+def moving_average(optimizer, average, current, iterations, dtype) -> tf.Tensor:
+    """Keras' EMA of one variable after a step: `m * average + (1 - m) * current`, m = 0 on the first step
+    (`iterations` before its increment) and the optimizer's `ema_momentum` after it."""
+    momentum = tf.cast(tf.not_equal(iterations, 0), dtype) * tf.cast(optimizer.ema_momentum, dtype)
+    return momentum * average + (1 - momentum) * current
 
 
 def ema_step(optimizer, iterations, update: Callable[[], None], overwrite: Callable[[], None]) -> None:

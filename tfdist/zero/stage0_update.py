@@ -21,7 +21,7 @@ from tfdist._compat import keras_optimizer
 from tfdist._compat.distribute import regroup_per_replica
 from tfdist.zero.clipping import clip_pieces, logical_clip_factors
 from tfdist.zero.collectives import LocalCollectives
-from tfdist.zero.optimizer_step import overwrite_every
+from tfdist.zero.optimizer_step import ema_step, moving_average
 from tfdist.zero.replica_values import tf_variable
 
 __all__ = ["RowNorms", "SummedGradientUpdate"]
@@ -173,14 +173,15 @@ class SummedGradientUpdate:
         iterations = tf.identity(opt.iterations)  # before this step's increment, as Keras reads it
 
         def average_fn(average, variable):
-            momentum = tf.cast(tf.not_equal(iterations, 0), variable.dtype) * opt.ema_momentum
-            average.assign(momentum * average + (1 - momentum) * variable)
+            average.assign(moving_average(opt, average, variable, iterations, variable.dtype))
 
-        for variable, average in zip(keras_optimizer.trained_variables(opt), keras_optimizer.moving_averages(opt)):
-            if average is not None:
-                strategy.extended.update(tf_variable(average), average_fn, args=(tf_variable(variable),),
-                                         group=False)
-        overwrite_every(opt, iterations, lambda: keras_optimizer.overwrite_with_average(opt))
+        def update():
+            for variable, average in zip(keras_optimizer.trained_variables(opt), keras_optimizer.moving_averages(opt)):
+                if average is not None:
+                    strategy.extended.update(tf_variable(average), average_fn, args=(tf_variable(variable),),
+                                             group=False)
+
+        ema_step(opt, iterations, update, lambda: keras_optimizer.overwrite_with_average(opt))
 
 
 def _clip_logical(optimizer, row: list, keys: list[int], device: str) -> list:
