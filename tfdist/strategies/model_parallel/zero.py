@@ -140,6 +140,7 @@ def horovod_zero_collectives(strategy) -> dict:
     indices (TF's groups rank members by device index; `zero_collectives` reorders for them). A column's set is
     every rank: Horovod's global process set, ops paired across ranks by their traced names (SPMD)."""
     from tfdist.zero.horovod_collectives import HorovodShardCollectives  # imports Horovod: only when it is asked for
+
     def collectives(devices: list[str]) -> HorovodShardCollectives:
         return HorovodShardCollectives(devices, strategy.rank, strategy.size, strategy.timeout_s)
 
